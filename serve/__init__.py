@@ -1,0 +1,1 @@
+"""The batching server: continuous batching over a pooled, paged KV cache, OpenAI-compatible HTTP API."""

@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny models built from configs (fast), the shared stories260k model and MMLU data."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("QPACK_SHARED_DIR", REPO.parent / "shared"))
+STORIES = SHARED / "models" / "stories260k"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def _save_tiny(path: Path, arch: str, tie: bool, seed: int) -> Path:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    model.eval()
+    model.save_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(STORIES))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    if not (STORIES / "config.json").is_file():
+        pytest.fail(f"shared model missing at {STORIES}; set QPACK_SHARED_DIR")
+    return STORIES
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama", tie=True, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_untied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama-untied"), "llama", tie=False, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", tie=False, seed=2)
+
+
+@pytest.fixture(scope="session")
+def mmlu_dir() -> Path:
+    path = Path(os.environ.get("QPACK_MMLU_DIR", SHARED / "data" / "mmlu"))
+    if not (path / "test").is_dir():
+        pytest.fail(f"MMLU data missing at {path}; set QPACK_MMLU_DIR")
+    return path
+
+
+@pytest.fixture()
+def copy_dir(tmp_path: Path):
+    def _copy(src: Path, name: str = "copy") -> Path:
+        dst = tmp_path / name
+        shutil.copytree(src, dst)
+        return dst
+
+    return _copy

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from evals.cli import app
+from quantize import __version__
+
+runner = CliRunner()
+
+
+def test_help_lists_every_command() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("calibrate", "quantize", "evaluate", "serve", "bench", "inspect", "build"):
+        assert command in result.output
+
+
+def test_version() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and __version__ in result.output
+
+
+def test_usage_error_exits_2() -> None:
+    assert runner.invoke(app, ["calibrate", "--no-such-flag"]).exit_code == 2
+
+
+def test_calibrate_json_and_errors(tmp_path: Path, tiny_llama: Path) -> None:
+    queries = tmp_path / "q.txt"
+    queries.write_text("\n".join(f"what is the meaning of item {i} in the list" for i in range(30)))
+    args = [
+        "calibrate",
+        "-m",
+        str(tiny_llama),
+        "--queries",
+        str(queries),
+        "-n",
+        "12",
+        "-o",
+        str(tmp_path / "cal"),
+    ]
+    result = runner.invoke(app, ["--json", *args])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (
+        data["ok"] and data["manifest"]["sampling"]["train"] + data["manifest"]["sampling"]["heldout"] == 12
+    )
+
+    again = runner.invoke(app, ["--json", *args])
+    assert again.exit_code == 2
+    error = json.loads(again.stdout)
+    assert error["ok"] is False and "already exists" in error["error"]
+
+    table = runner.invoke(app, [*args, "--overwrite"])
+    assert table.exit_code == 0 and "Cleaning" in table.stdout and "kept (sampling pool)" in table.stdout
+
+    missing = runner.invoke(
+        app, ["calibrate", "--queries", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "x")]
+    )
+    assert missing.exit_code == 2 and "does not exist" in missing.stderr
+    assert "Traceback" not in missing.output
+
+
+@pytest.mark.parametrize("command", ["quantize", "evaluate", "serve", "bench", "inspect", "build"])
+def test_unbuilt_commands_say_so(command: str) -> None:
+    result = runner.invoke(app, [command])
+    assert result.exit_code == 2 and "not built yet" in result.stderr
