@@ -229,9 +229,211 @@ def calibrate(
 # ------------------------------------------------------------------------------------- not yet built
 
 
+_SCHEME_STYLE = {
+    "int4": "cyan",
+    "int8": "green",
+    "bf16": "yellow",
+    "fp16": "yellow",
+    "fp32": "red",
+    "w8a8": "magenta",
+}
+
+
+def _styled(label: str, short: bool = False) -> str:
+    style = next((v for k, v in _SCHEME_STYLE.items() if label.startswith(k)), "white")
+    if short:
+        label = label.replace("int4-g", "i4g").replace("int8", "i8")
+    return f"[{style}]{label}[/]"
+
+
+def _plan_table(plan: Any) -> Table:
+    from quantize.report import plan_rows
+
+    rows = plan_rows(plan)
+    table = Table(title="Plan (decoder blocks x linears)", title_justify="left")
+    columns = [c for c in rows[0] if c != "block"] if rows else []
+    table.add_column("block", justify="right")
+    for column in columns:
+        table.add_column(column.replace("_proj", ""))
+    for row in rows:
+        table.add_row(str(row["block"]), *(_styled(str(row[c]), short=True) for c in columns))
+    return table
+
+
+def _plan_summary_rows(plan: Any, info: dict[str, Any]) -> list[tuple[str, Any]]:
+    counts: dict[str, int] = {}
+    for scheme in plan.schemes.values():
+        label = scheme.label() if scheme is not None else "fp32"
+        counts[label] = counts.get(label, 0) + 1
+    rows: list[tuple[str, Any]] = [
+        ("plan", info.get("summary", "")),
+        ("schemes", ", ".join(f"{_styled(k)} {v}" for k, v in sorted(counts.items()))),
+        ("avg bits (quantized linears)", f"{plan.bits():.3f} (scales and zero points included)"),
+        ("planner", info.get("planner", "")),
+    ]
+    if info.get("predicted_kl") is not None:
+        rows.append(("predicted KL (sum of per-layer)", f"{info['predicted_kl']:.5f}"))
+    if "sensitivity_cache_hits" in info:
+        rows.append(("sensitivity cache hits", info["sensitivity_cache_hits"]))
+    return rows
+
+
+def _quality_rows(quality: dict[str, Any], size: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [
+        (
+            "size",
+            f"{size['file_bytes'] / 2**20:.1f} MiB, {size['ratio_to_fp32']:.1%} of FP32 "
+            f"({size['fp32_bytes'] / 2**20:.1f} MiB)",
+        ),
+        ("avg bits (quantized linears)", f"{size['avg_bits_quantized']:.3f}"),
+        (
+            "KL vs FP32 (held-out)",
+            f"{quality['kl']:.5f} (p95 {quality['kl_p95']:.4f}, {quality['tokens']} tokens)",
+        ),
+        ("top-1 agreement", f"{quality['top1_agreement']:.1%}"),
+        ("perplexity", f"{quality['ppl']:.2f} (FP32 {quality['ppl_reference']:.2f})"),
+    ]
+
+
 @app.command(help="Quantize a model with layer-wise mixed precision into a versioned artifact.")
-def quantize(ctx: typer.Context) -> None:
-    _not_built(ctx, "quantize")
+def quantize(
+    ctx: typer.Context,
+    calibration: Path = typer.Option(
+        ..., "--calibration", "-c", help="Calibration directory (qpack calibrate)."
+    ),
+    output: Path = typer.Option(..., "--output", "-o", help="Artifact directory to write."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Model (default: the calibration's model)."),
+    name: str | None = typer.Option(None, "--name", help="Artifact name (default: model-preset)."),
+    version: str = typer.Option("1", "--version", help="Artifact version."),
+    preset: str = typer.Option("mixed", "--preset", "-p", help="mixed (default), int8, int4 or w8a8."),
+    target_bits: float | None = typer.Option(
+        None, "--target-bits", help="Average bits per quantized weight."
+    ),
+    max_kl: float | None = typer.Option(None, "--max-kl", help="Fewest bits with predicted KL under this."),
+    schemes: list[str] = typer.Option([], "--scheme", help="Candidate schemes for the planner (repeatable)."),
+    group_size: int = typer.Option(
+        64, "--group-size", help="int4 group size for the int4 preset (32/64/128)."
+    ),
+    override: list[str] = typer.Option([], "--override", help="PATTERN=SCHEME, e.g. 're:.*down_proj=int8'."),
+    algorithm: str = typer.Option("auto", "--algorithm", help="auto, rtn, gptq, awq or smoothquant."),
+    sensitivity: str = typer.Option("kl", "--sensitivity", help="kl (default), kl-all or mse."),
+    sensitivity_tokens: int = typer.Option(
+        256, "--sensitivity-tokens", help="Held-out tokens for sensitivity."
+    ),
+    calib_tokens: int = typer.Option(4096, "--calib-tokens", help="Calibration tokens for GPTQ/AWQ."),
+    eval_tokens: int = typer.Option(
+        2048, "--eval-tokens", help="Held-out tokens for the final KL/PPL check."
+    ),
+    act_order: bool = typer.Option(True, "--act-order/--no-act-order", help="GPTQ activation order."),
+    damp: float = typer.Option(0.01, "--damp", help="GPTQ damping (fraction of mean Hessian diagonal)."),
+    smoothquant_alpha: float = typer.Option(
+        0.5, "--smoothquant-alpha", help="SmoothQuant migration strength."
+    ),
+    export: str | None = typer.Option(None, "--export", help="Also export: compressed-tensors."),
+    seed: int = typer.Option(0, "--seed", help="Seed for token sampling."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact."),
+) -> None:
+    from quantize.algorithms import GPTQConfig
+    from quantize.pipeline import QuantizeConfig, quantize_model
+    from quantize.sensitivity import SensitivityConfig
+
+    out = _out(ctx)
+    config = QuantizeConfig(
+        output=output,
+        calibration=calibration,
+        model=model,
+        name=name,
+        version=version,
+        preset=preset,
+        target_bits=target_bits,
+        max_kl=max_kl,
+        schemes=tuple(schemes),
+        group_size=group_size,
+        overrides=tuple(override),
+        algorithm=algorithm,
+        gptq=GPTQConfig(damp=damp, act_order=act_order),
+        smoothquant_alpha=smoothquant_alpha,
+        sensitivity=SensitivityConfig(method=sensitivity, num_tokens=sensitivity_tokens, seed=seed),
+        calib_tokens=calib_tokens,
+        eval_tokens=eval_tokens,
+        export=export,
+        overwrite=overwrite,
+        seed=seed,
+    )
+
+    def on_plan(plan: Any, info: dict[str, Any]) -> None:
+        if not out.quiet and not out.json_mode:
+            out.stderr.print(_plan_table(plan))
+            out.stderr.print(kv_table("Plan", _plan_summary_rows(plan, info)))
+
+    result = _run(out, lambda: quantize_model(config, out.progress(), on_plan))
+    for warning in result.warnings:
+        out.warn(warning)
+    manifest = result.manifest
+    rows = [
+        ("artifact", f"{manifest['name']} v{manifest['version']}"),
+        *_quality_rows(manifest["quality"], manifest["size"]),
+        (
+            "time",
+            f"{result.seconds:.1f} s ({', '.join(f'{k} {v:.0f}s' for k, v in manifest['timings_s'].items())})",
+        ),
+        ("output", str(result.output)),
+    ]
+    if "export" in manifest:
+        rows.append(("export", str(manifest["export"].get("path", ""))))
+    out.result(
+        {"ok": True, "output": str(result.output), "seconds": round(result.seconds, 2), "manifest": manifest},
+        kv_table("Artifact", rows),
+    )
+
+
+@app.command(help="Print an artifact's manifest: plan, sizes, quality, evals; verify its hashes.")
+def inspect(
+    ctx: typer.Context,
+    artifact: Path = typer.Argument(..., help="Artifact directory."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Check every file's sha256."),
+) -> None:
+    from quantize.artifact import read_manifest, verify_artifact
+    from quantize.plan import Plan
+
+    out = _out(ctx)
+
+    def load() -> dict[str, Any]:
+        manifest = read_manifest(artifact)
+        if verify:
+            verify_artifact(artifact, manifest)
+        return manifest
+
+    manifest = _run(out, load)
+    plan = Plan.from_json(manifest["modules"])
+    source = manifest.get("source", {})
+    calibration = manifest.get("calibration", {})
+    rows: list[tuple[str, Any]] = [
+        (
+            "artifact",
+            f"{manifest.get('name')} v{manifest.get('version')} (format {manifest.get('format_version')})",
+        ),
+        ("created", f"{manifest.get('created_at')} by qpack {manifest.get('qpack_version')}"),
+        (
+            "source",
+            f"{source.get('model_id')} ({source.get('architecture')}, weights {str(source.get('weights_sha256'))[:12]})",
+        ),
+        (
+            "calibration",
+            f"{calibration.get('train_sequences')} + {calibration.get('heldout_sequences')} held-out sequences "
+            f"(manifest {str(calibration.get('manifest_sha256'))[:12]})",
+        ),
+        ("plan", manifest.get("quantization", {}).get("summary", plan.summary())),
+        *_quality_rows(manifest["quality"], manifest["size"]),
+        (
+            "files",
+            f"{len(manifest.get('files', {}))} files, " + ("sha256 verified" if verify else "not verified"),
+        ),
+    ]
+    for key, value in (manifest.get("evals") or {}).items():
+        if isinstance(value, dict) and "summary" in value:
+            rows.append((f"eval {key}", value["summary"]))
+    out.result(manifest, _plan_table(plan), kv_table("Artifact", rows))
 
 
 @app.command(help="Measure MMLU drift of an artifact against its reference; gate CI on it.")
@@ -247,11 +449,6 @@ def serve(ctx: typer.Context) -> None:
 @app.command(help="Speed, memory and load benchmarks against a baseline measured in the same run.")
 def bench(ctx: typer.Context) -> None:
     _not_built(ctx, "bench")
-
-
-@app.command(help="Print an artifact's manifest: plan, sizes, evals, hashes.")
-def inspect(ctx: typer.Context) -> None:
-    _not_built(ctx, "inspect")
 
 
 @app.command(help="calibrate → quantize → evaluate with a gate, in one command for CI.")

@@ -84,3 +84,62 @@ def copy_dir(tmp_path: Path):
         return dst
 
     return _copy
+
+
+QUERY_TEMPLATES = (
+    "Once upon a time there was a {adj} {noun} who wanted to {verb}.",
+    "Tell me a story about a {adj} {noun} that likes to {verb} every day.",
+    "Why does the {noun} {verb} when it is {adj}?",
+    "Write a short poem about a {noun} and a {adj} friend who {verb}.",
+)
+WORDS = {
+    "adj": ("little", "happy", "big", "sleepy", "brave", "red", "tiny", "kind"),
+    "noun": ("girl", "dog", "cat", "bird", "boy", "tree", "ball", "fish"),
+    "verb": ("play", "jump", "sing", "run", "swim", "read", "dance", "fly"),
+}
+
+
+def write_queries(path: Path, n: int = 200, seed: int = 0) -> Path:
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n):
+        template = QUERY_TEMPLATES[i % len(QUERY_TEMPLATES)]
+        text = template.format(**{k: rng.choice(v) for k, v in WORDS.items()})
+        lines.append(f"{text} Then the {rng.choice(WORDS['noun'])} said number {i}.")
+    path.write_text("\n".join(lines))
+    return path
+
+
+def calibrate_for(model_dir: Path, out: Path, n: int = 96, queries: Path | None = None) -> Path:
+    from calibrate import CalibrationConfig, run_calibration
+
+    queries = queries or write_queries(out.parent / f"{out.name}-queries.txt")
+    run_calibration(
+        CalibrationConfig(
+            output=out, model=str(model_dir), queries=(str(queries),), num_samples=n, heldout_fraction=0.25
+        )
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_calibration(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return calibrate_for(tiny_llama, tmp_path_factory.mktemp("cal-llama") / "cal")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_calibration(tiny_qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return calibrate_for(tiny_qwen2, tmp_path_factory.mktemp("cal-qwen2") / "cal")
+
+
+@pytest.fixture(scope="session")
+def stories_calibration(stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return calibrate_for(stories_dir, tmp_path_factory.mktemp("cal-stories") / "cal", n=160)
+
+
+@pytest.fixture()
+def make_calibration():
+    """calibrate_for(model_dir, out, n=...) for tests that need their own calibration directory."""
+    return calibrate_for

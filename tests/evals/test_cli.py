@@ -64,7 +64,36 @@ def test_calibrate_json_and_errors(tmp_path: Path, tiny_llama: Path) -> None:
     assert "Traceback" not in missing.output
 
 
-@pytest.mark.parametrize("command", ["quantize", "evaluate", "serve", "bench", "inspect", "build"])
+def test_quantize_and_inspect(tmp_path: Path, tiny_llama: Path, tiny_llama_calibration: Path) -> None:
+    art = tmp_path / "art"
+    args = [
+        "quantize",
+        "-c",
+        str(tiny_llama_calibration),
+        "-o",
+        str(art),
+        "--preset",
+        "int8",
+        "--name",
+        "tiny",
+    ]
+    result = runner.invoke(app, ["--json", *args, "--sensitivity-tokens", "64", "--calib-tokens", "256"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["manifest"]["name"] == "tiny" and data["manifest"]["quality"]["kl"] < 0.01
+    table = runner.invoke(app, ["inspect", str(art)])
+    assert table.exit_code == 0 and "sha256 verified" in table.stdout and "tiny v1" in table.stdout
+    raw = runner.invoke(app, ["--json", "inspect", str(art)])
+    assert json.loads(raw.stdout)["format"] == "qpack.artifact"
+    missing = runner.invoke(app, ["inspect", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "does not exist" in missing.stderr
+    bad = runner.invoke(app, ["quantize", "-c", str(tmp_path / "nocal"), "-o", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "calibration directory" in bad.stderr
+    again = runner.invoke(app, args)
+    assert again.exit_code == 2 and "already exists" in again.stderr
+
+
+@pytest.mark.parametrize("command", ["evaluate", "serve", "bench", "build"])
 def test_unbuilt_commands_say_so(command: str) -> None:
     result = runner.invoke(app, [command])
     assert result.exit_code == 2 and "not built yet" in result.stderr

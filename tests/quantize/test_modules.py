@@ -1,0 +1,105 @@
+"""Every runtime module against the reference dequantize path, on both the kernel and the dense path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantize.modules import HANDLERS, Int4Linear, Int8Linear, QuantLinear, handler_for
+from quantize.schemes import BF16, FP16, W8A8, BnbInt8, BnbNF4, Int4, Int8, Scheme
+
+CASES: list[tuple[Scheme, float]] = [
+    (Int8(), 2e-2),
+    (Int4(32), 2e-2),
+    (Int4(64), 2e-2),
+    (BF16(), 1e-6),
+    (FP16(), 1e-6),
+]
+
+
+def _check(scheme: Scheme, n: int, k: int, rows: int, tolerance: float, bias: bool) -> None:
+    torch.manual_seed(rows)
+    weight = torch.randn(n, k) * 0.05
+    b = torch.randn(n) if bias else None
+    handler = handler_for(scheme)
+    tensors = handler.quantize(scheme, weight)
+    module = handler.build(scheme, tensors, b, torch.device("cpu"))
+    x = torch.randn(rows, k)
+    reference = torch.nn.functional.linear(x, handler.dequantize(scheme, tensors), b)
+    out = module(x)
+    assert out.shape == reference.shape and out.dtype == x.dtype
+    relative = (out - reference).norm() / reference.norm()
+    assert relative < tolerance, (scheme, rows, float(relative))
+    out3 = module(x.reshape(1, rows, k))
+    torch.testing.assert_close(out3.reshape(rows, n), out)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "tolerance"), CASES, ids=lambda v: v.label() if isinstance(v, Scheme) else ""
+)
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_kernel_matches_reference(scheme: Scheme, tolerance: float, rows: int) -> None:
+    _check(scheme, 96, 128, rows, tolerance, bias=True)
+
+
+def test_int4_odd_out_features_are_padded_for_the_kernel() -> None:
+    _check(Int4(32), 172, 64, 3, 2e-2, bias=False)
+
+
+@pytest.mark.parametrize("scheme", [Int8(), W8A8()], ids=lambda s: s.label())
+def test_int8_odd_in_features_are_padded_for_the_kernel(scheme: Scheme) -> None:
+    _check(scheme, 64, 172, 5, 2e-2, bias=False)  # the raw kernel segfaults on K=172
+
+
+def test_dense_path_thresholds_are_exercised() -> None:
+    assert Int8Linear.dense_min_rows <= 200 and Int4Linear.dense_min_rows <= 200
+
+
+def test_quantization_error_floor() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(64, 256)
+    x = torch.randn(32, 256)
+    reference = x @ weight.t()
+    for scheme, min_sqnr in ((Int8(), 38.0), (Int4(64), 17.0), (BF16(), 45.0)):
+        handler = handler_for(scheme)
+        module = handler.build(scheme, handler.quantize(scheme, weight), None, torch.device("cpu"))
+        from quantize.primitives import sqnr_db
+
+        assert sqnr_db(reference, module(x)) > min_sqnr, scheme
+
+
+def test_w8a8_with_smoothing_matches_fake_quant() -> None:
+    torch.manual_seed(3)
+    weight = torch.randn(64, 128) * 0.05
+    smooth = torch.rand(128) + 0.5
+    scheme = W8A8()
+    handler = handler_for(scheme)
+    tensors = handler.quantize(scheme, weight * smooth[None, :])
+    tensors["smooth"] = smooth
+    module = handler.build(scheme, tensors, None, torch.device("cpu"))
+    x = torch.randn(9, 128) * 3
+    reference = x @ weight.t()
+    out = module(x)
+    assert ((out - reference).norm() / reference.norm()) < 2e-2
+    torch.testing.assert_close(handler.dequantize(scheme, tensors), weight, atol=2e-3, rtol=0)
+
+
+def test_every_scheme_has_a_handler() -> None:
+    from quantize.schemes import SCHEMES
+
+    assert {cls.type for cls in HANDLERS} == set(SCHEMES)
+
+
+@pytest.mark.parametrize("scheme", [BnbInt8(), BnbNF4()], ids=lambda s: s.label())
+def test_bitsandbytes_schemes(scheme: Scheme) -> None:
+    pytest.importorskip("bitsandbytes")
+    torch.manual_seed(4)
+    weight = torch.randn(64, 128) * 0.05
+    handler = handler_for(scheme)
+    tensors = handler.quantize(scheme, weight)
+    module = handler.build(scheme, tensors, None, torch.device("cpu"))
+    assert isinstance(module, QuantLinear)
+    x = torch.randn(5, 128)
+    reference = x @ handler.dequantize(scheme, tensors).t()
+    assert ((module(x) - reference).norm() / reference.norm()) < 2e-2
+    assert ((reference - x @ weight.t()).norm() / reference.norm()) < 0.2

@@ -1,0 +1,201 @@
+"""qpack quantize end to end on tiny models built from configs, and on the real FP32 stories260k."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantize.artifact import load_artifact, read_manifest, update_manifest, verify_artifact
+from quantize.errors import QpackError
+from quantize.modules import BnbLinear, HalfLinear, Int4Linear, Int8Linear, W8A8Linear
+from quantize.pipeline import QuantizeConfig, quantize_model
+from quantize.sensitivity import SensitivityConfig
+
+FAST = dict(sensitivity=SensitivityConfig(num_tokens=64), calib_tokens=512, eval_tokens=256)
+
+
+def _config(cal: Path, out: Path, **kwargs) -> QuantizeConfig:
+    return QuantizeConfig(output=out, calibration=cal, **{**FAST, **kwargs})
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize(
+    ("scheme", "module_type", "max_kl"),
+    [
+        ("int8", Int8Linear, 1e-3),
+        ("int4-g32", Int4Linear, 5e-2),
+        ("w8a8", W8A8Linear, 5e-3),
+        ("bf16", HalfLinear, 1e-4),
+        ("bnb-int8", BnbLinear, 1e-2),
+        ("bnb-nf4", BnbLinear, 1e-1),
+    ],
+)
+def test_each_scheme_on_a_tiny_tied_llama(
+    scheme, module_type, max_kl, tiny_llama, tiny_llama_calibration, tmp_path
+):
+    if scheme.startswith("bnb"):
+        pytest.importorskip("bitsandbytes")
+    result = quantize_model(
+        _config(tiny_llama_calibration, tmp_path / "art", overrides=(f"_default={scheme}",))
+    )
+    model = result.model
+    swapped = {n for n, m in model.named_modules() if isinstance(m, module_type)}
+    assert len(swapped) == 14  # 2 blocks x 7 linears; the head stays FP32
+    assert (
+        isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight is model.model.embed_tokens.weight
+    )
+    assert result.manifest["quality"]["kl"] < max_kl
+    assert "kept FP32: lm_head, embed_tokens, norms" in result.manifest["quantization"]["summary"]
+
+
+@pytest.mark.parametrize("preset", ["int8", "int4", "mixed", "w8a8"])
+def test_presets_save_load_same_logits(preset, tiny_qwen2, tiny_qwen2_calibration, tmp_path):
+    out = tmp_path / preset
+    result = quantize_model(_config(tiny_qwen2_calibration, out, preset=preset, name="tiny", version="2.0"))
+    manifest = read_manifest(out)
+    assert manifest["name"] == "tiny" and manifest["version"] == "2.0" and manifest["evals"] == {}
+    assert set(manifest["files"]) >= {"model.safetensors", "config.json", "tokenizer.json", "sensitivity.png"}
+    assert manifest["source"]["model_type"] == "qwen2"
+    loaded = load_artifact(out)
+    ids = torch.tensor([[1, 40, 41, 42, 43, 7, 8]])
+    torch.testing.assert_close(_logits(loaded.model, ids), _logits(result.model, ids), rtol=0, atol=1e-5)
+    assert loaded.model.model.layers[0].self_attn.q_proj.bias is not None
+    assert manifest["size"]["ratio_to_fp32"] < 1.0
+
+
+def test_mixed_plan_respects_budget_and_reuses_sensitivity(tiny_llama, tiny_llama_calibration, tmp_path, copy_dir):
+    cal = copy_dir(tiny_llama_calibration, "cal")
+    (cal / "sensitivity.json").unlink(missing_ok=True)
+    first = quantize_model(_config(cal, tmp_path / "a", preset="mixed", target_bits=6.0))
+    assert first.plan.bits() <= 6.0 + 1e-6
+    assert first.manifest["quantization"]["plan_info"]["sensitivity_cache_hits"] == 0
+    second = quantize_model(_config(cal, tmp_path / "b", preset="mixed", target_bits=5.0))
+    assert second.manifest["quantization"]["plan_info"]["sensitivity_cache_hits"] > 0
+    assert second.plan.bits() <= 5.0 + 1e-6
+    rows = second.manifest["sensitivity"]["rows"]
+    assert {r["how"] for r in rows} == {"measured", "derived"}
+
+
+def test_overrides_and_forced_head(tiny_llama_untied, tmp_path, make_calibration):
+    cal = make_calibration(tiny_llama_untied, tmp_path / "cal", n=48)
+    overrides = ("lm_head=int8", "re:.*down_proj=bf16", "model.layers.0.self_attn.q_proj=keep")
+    result = quantize_model(_config(cal, tmp_path / "art", preset="int4", group_size=32, overrides=overrides))
+    assert any("lm_head forced to int8" in w for w in result.warnings)
+    model = result.model
+    assert isinstance(model.lm_head, Int8Linear)
+    assert all(isinstance(layer.mlp.down_proj, HalfLinear) for layer in model.model.layers)
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert isinstance(model.model.layers[1].self_attn.q_proj, Int4Linear)
+    sources = result.manifest["modules"]
+    assert sources["model.layers.0.mlp.down_proj"]["source"] == "override re:.*down_proj"
+    assert sources["model.layers.1.mlp.gate_proj"]["source"] == "preset int4"
+    loaded = load_artifact(tmp_path / "art")
+    ids = torch.tensor([[1, 50, 60, 70]])
+    torch.testing.assert_close(_logits(loaded.model, ids), _logits(model, ids), rtol=0, atol=1e-5)
+
+
+def test_tampered_and_pickled_artifacts_are_refused(tiny_llama, tiny_llama_calibration, tmp_path):
+    out = tmp_path / "art"
+    quantize_model(_config(tiny_llama_calibration, out, preset="int8"))
+    verify_artifact(out)
+    tampered = tmp_path / "tampered"
+    shutil.copytree(out, tampered)
+    weights = tampered / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(QpackError, match=r"failed verification: model\.safetensors"):
+        load_artifact(tampered)
+    pickled = tmp_path / "pickled"
+    shutil.copytree(out, pickled)
+    (pickled / "extra.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(QpackError, match="never pickles"):
+        load_artifact(pickled)
+    future = tmp_path / "future"
+    shutil.copytree(out, future)
+    manifest = json.loads((future / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (future / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(QpackError, match="format_version 99"):
+        load_artifact(future)
+    updated = update_manifest(out, {"evals": {"mmlu": {"summary": "ok"}}})
+    assert updated["evals"]["mmlu"]["summary"] == "ok"
+    verify_artifact(out)
+
+
+def test_bad_plans_are_clear_errors(tiny_llama, tiny_llama_calibration, tiny_qwen2_calibration, tmp_path):
+    cal = tiny_llama_calibration
+    with pytest.raises(QpackError, match="unknown scheme 'int3'"):
+        quantize_model(_config(cal, tmp_path / "a", overrides=("_default=int3",)))
+    with pytest.raises(
+        QpackError, match=r"12 layers cannot use their planned scheme: int4-g128: in_features 64"
+    ):
+        quantize_model(_config(cal, tmp_path / "b", overrides=("_default=int4-g128",)))
+    with pytest.raises(QpackError, match=r"size budget impossible: --target-bits 3\.0"):
+        quantize_model(_config(cal, tmp_path / "c", target_bits=3.0))
+    with pytest.raises(QpackError, match="match no linear layer"):
+        quantize_model(_config(cal, tmp_path / "d", overrides=("re:.*nothing_here=int8",)))
+    with pytest.raises(QpackError, match="embeddings are not linears"):
+        quantize_model(_config(cal, tmp_path / "e", overrides=("model.embed_tokens=int8",)))
+    with pytest.raises(QpackError, match="was built for model"):
+        quantize_model(_config(tiny_qwen2_calibration, tmp_path / "f", model=str(tiny_llama)))
+    with pytest.raises(QpackError, match=r"--preset must be one of.*--group-size must be one of"):
+        quantize_model(_config(cal, tmp_path / "g", preset="int2", group_size=48))
+    assert not any(tmp_path.iterdir())
+
+
+def test_gptq_and_awq_beat_rtn_on_real_fp32_weights(stories_calibration, tmp_path):
+    kl = {}
+    for algorithm in ("rtn", "gptq", "awq"):
+        result = quantize_model(
+            _config(
+                stories_calibration,
+                tmp_path / algorithm,
+                preset="int4",
+                group_size=32,
+                algorithm=algorithm,
+                eval_tokens=512,
+            )
+        )
+        kl[algorithm] = result.manifest["quality"]["kl"]
+        if algorithm == "awq":
+            info = result.manifest["quantization"]["module_info"]
+            assert any("awq_alpha" in v for v in info.values())
+    assert kl["gptq"] < 0.8 * kl["rtn"], kl
+    assert kl["awq"] < kl["rtn"], kl
+
+
+def test_planner_spends_bits_where_sensitivity_is(stories_calibration, tmp_path):
+    uniform = quantize_model(
+        _config(stories_calibration, tmp_path / "u", preset="int4", group_size=32, algorithm="rtn")
+    )
+    mixed = quantize_model(
+        _config(
+            stories_calibration,
+            tmp_path / "m",
+            schemes=("int4-g32", "int8"),
+            target_bits=6.0,
+            algorithm="rtn",
+            sensitivity=SensitivityConfig(num_tokens=128),
+        )
+    )
+    assert mixed.plan.bits() <= 6.0 + 1e-6
+    assert mixed.manifest["quality"]["kl"] < 0.85 * uniform.manifest["quality"]["kl"]
+    rows = {(r["module"], r["scheme"]): r["value"] for r in mixed.manifest["sensitivity"]["rows"]}
+    upgraded = [
+        f
+        for f, s in mixed.plan.schemes.items()
+        if s is not None and s.label() == "int8" and (f, "int4-g32") in rows
+    ]
+    kept = [f for f, s in mixed.plan.schemes.items() if s is not None and s.label() == "int4-g32"]
+    gain = lambda f: rows[(f, "int4-g32")] - rows.get((f, "int8"), 0.0)  # noqa: E731
+    assert upgraded and kept
+    assert sum(gain(f) for f in upgraded) / len(upgraded) > sum(gain(f) for f in kept) / len(kept)
