@@ -71,7 +71,9 @@ def test_presets_save_load_same_logits(preset, tiny_qwen2, tiny_qwen2_calibratio
     assert manifest["size"]["ratio_to_fp32"] < 1.0
 
 
-def test_mixed_plan_respects_budget_and_reuses_sensitivity(tiny_llama, tiny_llama_calibration, tmp_path, copy_dir):
+def test_mixed_plan_respects_budget_and_reuses_sensitivity(
+    tiny_llama, tiny_llama_calibration, tmp_path, copy_dir
+):
     cal = copy_dir(tiny_llama_calibration, "cal")
     (cal / "sensitivity.json").unlink(missing_ok=True)
     first = quantize_model(_config(cal, tmp_path / "a", preset="mixed", target_bits=6.0))
