@@ -19,7 +19,7 @@ from rich.table import Table
 
 from evals.console import Output, kv_table
 from quantize import __version__
-from quantize.errors import EXIT_USAGE, QpackError
+from quantize.errors import EXIT_GATE, EXIT_USAGE, QpackError
 
 T = TypeVar("T")
 
@@ -436,9 +436,130 @@ def inspect(
     out.result(manifest, _plan_table(plan), kv_table("Artifact", rows))
 
 
+def _formats(value: str) -> tuple[str, ...]:
+    return ("letter", "cloze") if value == "both" else (value,)
+
+
+def _eval_tables(result: dict[str, Any]) -> list[Any]:
+    table = Table(
+        title=f"MMLU {result['mmlu']['shots']}-shot, {result['mmlu']['questions']} questions",
+        title_justify="left",
+    )
+    for column in (
+        "format",
+        "reference",
+        "artifact",
+        "drift pts [95% CI]",
+        "flips",
+        "R→W/W→R",
+        "answer KL",
+        "agree",
+    ):
+        table.add_column(column, justify="left" if column == "format" else "right")
+    for fmt, report in result["formats"].items():
+        ref, cand = report["reference"], report["candidate"]
+        low, high = report["drift_ci95_points"]
+        drift_style = "red" if high < 0 else "green" if low > 0 else "white"
+        table.add_row(
+            fmt,
+            f"{ref['accuracy']:.1%} ±{(ref['ci95'][1] - ref['ci95'][0]) / 2:.1%}",
+            f"{cand['accuracy']:.1%} ±{(cand['ci95'][1] - cand['ci95'][0]) / 2:.1%}",
+            f"[{drift_style}]{report['drift_points']:+.2f}[/] [{low:+.2f}, {high:+.2f}]",
+            f"{report['flips']['flip_rate']:.1%}",
+            f"{report['flips']['right_to_wrong']}/{report['flips']['wrong_to_right']}",
+            f"{report['answer_kl']['mean']:.4f}",
+            f"{report['top1_agreement']:.1%}",
+        )
+    rows: list[tuple[str, Any]] = [("reference", result["reference"]["id"])]
+    heldout = result.get("heldout")
+    if heldout:
+        rows.append(
+            (
+                "held-out queries",
+                f"KL {heldout['kl']:.4f}, top-1 {heldout['top1_agreement']:.1%}, "
+                f"ppl {heldout['ppl']:.2f} (reference {heldout['ppl_reference']:.2f}), {heldout['tokens']} tokens",
+            )
+        )
+    elif result.get("heldout_note"):
+        rows.append(("held-out queries", result["heldout_note"]))
+    rows.append(
+        ("speed", ", ".join(f"{fmt} {v:.2f} items/s" for fmt, v in result["items_per_second"].items()))
+    )
+    gate = result["gate"]
+    if gate["checked"]:
+        rows.append(
+            (
+                "gate",
+                "[green]passed[/]"
+                if gate["passed"]
+                else "[bold red]FAILED[/]: " + "; ".join(gate["reasons"]),
+            )
+        )
+    return [table, kv_table("Evaluation", rows)]
+
+
+def _gate_exit(out: Output, passed: bool, reasons: list[str]) -> None:
+    if not passed:
+        out.stderr.print(f"[bold red]gate failed:[/] {'; '.join(reasons)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_GATE)
+
+
 @app.command(help="Measure MMLU drift of an artifact against its reference; gate CI on it.")
-def evaluate(ctx: typer.Context) -> None:
-    _not_built(ctx, "evaluate")
+def evaluate(
+    ctx: typer.Context,
+    artifact: Path = typer.Argument(..., help="Artifact directory."),
+    reference: str | None = typer.Option(
+        None, "--reference", "-r", help="Reference model or artifact (default: source)."
+    ),
+    mmlu: Path | None = typer.Option(None, "--mmlu", help="MMLU directory (hendrycks or cais layout)."),
+    subjects: str | None = typer.Option(None, "--subjects", help="Comma-separated subset of subjects."),
+    limit: int | None = typer.Option(None, "--limit", help="At most N questions per subject (stratified)."),
+    shots: int = typer.Option(5, "--shots", help="Few-shot examples from the dev split (0-5)."),
+    fmt: str = typer.Option("letter", "--format", help="letter, cloze or both."),
+    calibration: Path | None = typer.Option(
+        None, "--calibration", help="Calibration dir for held-out PPL/KL."
+    ),
+    heldout_tokens: int = typer.Option(2048, "--heldout-tokens", help="Held-out tokens for PPL/KL."),
+    max_drift: float | None = typer.Option(None, "--max-drift", help="Fail if accuracy drops more (points)."),
+    max_kl: float | None = typer.Option(None, "--max-kl", help="Fail if held-out next-token KL is higher."),
+    max_flip_rate: float | None = typer.Option(
+        None, "--max-flip-rate", help="Fail if more answers flip (0-1)."
+    ),
+    batch_tokens: int = typer.Option(4096, "--batch-tokens", help="Tokens per scoring batch."),
+    write: bool = typer.Option(True, "--write/--no-write", help="Write results into the artifact."),
+    seed: int = typer.Option(0, "--seed", help="Seed for --limit sampling and bootstrap."),
+) -> None:
+    from evals.evaluate import EvaluateConfig, Gate
+    from evals.evaluate import evaluate as run_evaluate
+
+    out = _out(ctx)
+    config = EvaluateConfig(
+        artifact=artifact,
+        reference=reference,
+        mmlu=mmlu,
+        subjects=subjects,
+        limit=limit,
+        shots=shots,
+        formats=_formats(fmt),
+        calibration=calibration,
+        heldout_tokens=heldout_tokens,
+        gate=Gate(max_drift=max_drift, max_kl=max_kl, max_flip_rate=max_flip_rate),
+        write=write,
+        token_budget=batch_tokens,
+        seed=seed,
+    )
+    evaluated = _run(out, lambda: run_evaluate(config, out.progress()))
+    data = {
+        "ok": evaluated.passed,
+        **{k: v for k, v in evaluated.result.items() if k != "formats"},
+        "formats": {
+            f: {k: v for k, v in r.items() if k != "kl_values"}
+            for f, r in evaluated.result["formats"].items()
+        },
+        "report_dir": str(evaluated.report_dir) if evaluated.report_dir else None,
+    }
+    out.result(data, *_eval_tables(evaluated.result))
+    _gate_exit(out, evaluated.passed, evaluated.reasons)
 
 
 @app.command(help="Serve an artifact with continuous batching over a paged KV cache (OpenAI API).")
@@ -452,11 +573,73 @@ def bench(ctx: typer.Context) -> None:
 
 
 @app.command(help="calibrate → quantize → evaluate with a gate, in one command for CI.")
-def build(ctx: typer.Context) -> None:
-    _not_built(ctx, "build")
+def build(
+    ctx: typer.Context,
+    output: Path = typer.Option(..., "--output", "-o", help="Artifact directory to write."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Model (default smollm2-135m)."),
+    queries: list[Path] = typer.Option([], "--queries", help="User query files (default: bundled ShareGPT)."),
+    calibration: Path | None = typer.Option(None, "--calibration", help="Reuse this calibration directory."),
+    num_samples: int = typer.Option(512, "--num-samples", "-n", help="Calibration samples."),
+    preset: str = typer.Option("mixed", "--preset", "-p", help="mixed, int8, int4 or w8a8."),
+    target_bits: float | None = typer.Option(
+        None, "--target-bits", help="Average bits per quantized weight."
+    ),
+    override: list[str] = typer.Option([], "--override", help="PATTERN=SCHEME (repeatable)."),
+    name: str | None = typer.Option(None, "--name", help="Artifact name."),
+    version: str = typer.Option("1", "--version", help="Artifact version."),
+    mmlu: Path | None = typer.Option(None, "--mmlu", help="MMLU directory."),
+    subjects: str | None = typer.Option(None, "--subjects", help="Comma-separated MMLU subjects."),
+    limit: int | None = typer.Option(5, "--limit", help="MMLU questions per subject (0 = all)."),
+    shots: int = typer.Option(5, "--shots", help="MMLU few-shot examples."),
+    fmt: str = typer.Option("letter", "--format", help="letter, cloze or both."),
+    max_drift: float | None = typer.Option(None, "--max-drift", help="Gate: max accuracy drop (points)."),
+    max_kl: float | None = typer.Option(None, "--max-kl", help="Gate: max held-out next-token KL."),
+    max_flip_rate: float | None = typer.Option(
+        None, "--max-flip-rate", help="Gate: max share of flipped answers."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing outputs."),
+    seed: int = typer.Option(0, "--seed", help="Seed for sampling."),
+) -> None:
+    from evals.build import BuildConfig, run_build
+    from evals.evaluate import Gate
+
+    out = _out(ctx)
+    config = BuildConfig(
+        output=output,
+        model=model,
+        queries=tuple(str(q) for q in queries),
+        calibration=calibration,
+        num_samples=num_samples,
+        preset=preset,
+        target_bits=target_bits,
+        overrides=tuple(override),
+        name=name,
+        version=version,
+        mmlu=mmlu,
+        subjects=subjects,
+        limit=None if limit == 0 else limit,
+        shots=shots,
+        formats=_formats(fmt),
+        gate=Gate(max_drift=max_drift, max_kl=max_kl, max_flip_rate=max_flip_rate),
+        overwrite=overwrite,
+        seed=seed,
+    )
+    built = _run(out, lambda: run_build(config, out.progress()))
+    summary = built.summary
+    rows = [
+        ("artifact", f"{summary['name']} v{summary['version']} → {summary['artifact']}"),
+        ("plan", summary["plan"]),
+        *_quality_rows(built.quantized.manifest["quality"], built.quantized.manifest["size"]),
+        ("stages", ", ".join(f"{k} {v:.0f}s" for k, v in summary["stages_s"].items())),
+    ]
+    out.result(summary, kv_table("Build", rows), *_eval_tables(built.evaluated.result))
+    _gate_exit(out, built.evaluated.passed, built.evaluated.reasons)
 
 
 def main() -> None:
+    from quantize.memory import release_freed_memory
+
+    release_freed_memory()
     try:
         app()
     except SystemExit:

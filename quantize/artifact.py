@@ -55,7 +55,7 @@ def fp_state_dict(model: nn.Module, quantized: set[str]) -> dict[str, torch.Tens
         if key in seen and tensor.numel() > 0:
             continue
         seen[key] = name
-        tensors[name] = tensor.detach().to(torch.float32).contiguous().clone()
+        tensors[name] = tensor.detach().to(torch.float32).contiguous()
     return tensors
 
 
@@ -146,6 +146,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if not root.is_dir():
         raise QpackError(
             f"artifact {root} does not exist or is not a directory; run `qpack quantize -o {root}`"
+        )
+    if not (root / MANIFEST_FILE).is_file():
+        raise QpackError(
+            f"{root} is not a qpack artifact (no {MANIFEST_FILE}); pass a directory written by qpack quantize"
         )
     manifest = read_json(root / MANIFEST_FILE, "artifact manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:

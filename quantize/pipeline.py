@@ -457,22 +457,33 @@ def reference_hidden(model: nn.Module, packs: list[Pack]) -> list[torch.Tensor]:
 
 @torch.inference_mode()
 def compare_to_reference(
-    model: nn.Module, packs: list[Pack], reference: list[torch.Tensor], reference_head: nn.Module
+    model: nn.Module,
+    packs: list[Pack],
+    reference: list[torch.Tensor],
+    reference_head: nn.Module,
+    chunk: int = 128,
 ) -> dict[str, float]:
-    """KL, top-1 agreement and perplexities of `model` against FP32 final hidden states on held-out packs."""
+    """KL, top-1 agreement and perplexities of `model` against FP32 final hidden states on held-out packs.
+
+    Logits are formed `chunk` positions at a time (a 49k vocabulary at 512 positions is 100 MB per copy).
+    """
     lw = LayerwiseModel(model)
     kl, top1, nll_ref, nll_q = [], [], [], []
     for pack, ref in zip(packs, reference, strict=True):
         candidate = lw.final_hidden(pack)[0]
         targets = next_token_targets(pack)
-        ref_logp = torch.log_softmax(reference_head(ref).float(), -1)
-        cand_logp = torch.log_softmax(lw.lm_head(candidate).float(), -1)
-        kl.append((ref_logp.exp() * (ref_logp - cand_logp)).sum(-1).clamp_min(0))
-        top1.append(ref_logp.argmax(-1) == cand_logp.argmax(-1))
-        valid = targets >= 0
-        idx = targets.clamp_min(0)[:, None]
-        nll_ref.append(-ref_logp.gather(1, idx)[:, 0][valid])
-        nll_q.append(-cand_logp.gather(1, idx)[:, 0][valid])
+        for part in range(0, pack.num_tokens, chunk):
+            rows = slice(part, min(part + chunk, pack.num_tokens))
+            ref_logp = torch.log_softmax(reference_head(ref[rows]).float(), -1)
+            cand_logp = torch.log_softmax(lw.lm_head(candidate[rows]).float(), -1)
+            kl.append((ref_logp.exp() * (ref_logp - cand_logp)).sum(-1).clamp_min(0))
+            top1.append(ref_logp.argmax(-1) == cand_logp.argmax(-1))
+            t = targets[rows]
+            valid = t >= 0
+            idx = t.clamp_min(0)[:, None]
+            nll_ref.append(-ref_logp.gather(1, idx)[:, 0][valid])
+            nll_q.append(-cand_logp.gather(1, idx)[:, 0][valid])
+            del ref_logp, cand_logp
     lw.forget_rope()
     kl_all, nll_r, nll_c = torch.cat(kl), torch.cat(nll_ref), torch.cat(nll_q)
     return {

@@ -143,3 +143,8 @@ def stories_calibration(stories_dir: Path, tmp_path_factory: pytest.TempPathFact
 def make_calibration():
     """calibrate_for(model_dir, out, n=...) for tests that need their own calibration directory."""
     return calibrate_for
+
+
+@pytest.fixture()
+def queries_file(tmp_path: Path) -> Path:
+    return write_queries(tmp_path / "queries.txt")

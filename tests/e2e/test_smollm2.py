@@ -48,3 +48,63 @@ def test_calibrate_defaults_on_sharegpt(smollm2_calibration: Path) -> None:
     q = data.stats["model.layers.0.self_attn.q_proj"]
     assert q.abs_max.shape == (576,) and q.num_tokens == sum(len(s) for s in data.train)
     assert (q.mean_sq > 0).all() and (q.abs_max**2 >= q.mean_sq * 0.999).all()
+
+
+@pytest.fixture(scope="module")
+def smollm2_int8(smollm2_calibration: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from quantize.pipeline import QuantizeConfig, quantize_model
+    from quantize.sensitivity import SensitivityConfig
+
+    out = tmp_path_factory.mktemp("e2e-art") / "int8"
+    result = quantize_model(
+        QuantizeConfig(
+            output=out,
+            calibration=smollm2_calibration,
+            preset="int8",
+            sensitivity=SensitivityConfig(num_tokens=64),
+            calib_tokens=512,
+            eval_tokens=256,
+        )
+    )
+    assert result.manifest["size"]["ratio_to_fp32"] < 0.45
+    assert result.manifest["quality"]["kl"] < 0.01
+    assert (
+        result.manifest["quantization"]["summary"]
+        == "quantized 210/211 linears; kept FP32: lm_head, embed_tokens, norms"
+    )
+    return out
+
+
+def test_scoring_on_smollm2_matches_naive(mmlu_dir: Path) -> None:
+    import torch
+
+    from evals.mmlu import load_mmlu
+    from evals.scoring import Scorer, score, score_naive
+    from quantize.models import load_model, load_tokenizer
+
+    source = resolve_model("smollm2-135m")
+    model, tokenizer = load_model(source), load_tokenizer(source)
+    assert Scorer(model, tokenizer).single_token_letters
+    data = load_mmlu(mmlu_dir, subjects="marketing", limit=2)
+    fast = score(model, tokenizer, "letter", data.by_subject(), data.dev, 5)
+    slow = score_naive(model, tokenizer, "letter", data.by_subject(), data.dev, 5)
+    for key in fast:
+        torch.testing.assert_close(fast[key], slow[key], rtol=1e-4, atol=1e-4)
+
+
+def test_evaluate_int8_artifact(smollm2_int8: Path, mmlu_dir: Path) -> None:
+    from evals.evaluate import EvaluateConfig, Gate, evaluate
+
+    result = evaluate(
+        EvaluateConfig(
+            artifact=smollm2_int8,
+            mmlu=mmlu_dir,
+            subjects="marketing,anatomy",
+            limit=3,
+            shots=2,
+            gate=Gate(max_flip_rate=1.0),
+        )
+    )
+    assert result.passed
+    assert result.result["reference"]["id"] == "smollm2-135m"
+    assert result.result["heldout"]["kl"] < 0.02

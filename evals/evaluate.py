@@ -1,0 +1,276 @@
+"""`qpack evaluate`: what quantization cost, measured on MMLU and on held-out user queries, with a CI gate.
+
+The artifact is compared with its reference (by default the exact source model it was quantized from, checked
+by weights hash; or any model or other artifact) on the same questions, in each requested prompt format, and
+on the held-out calibration queries (perplexity of both, next-token KL). Results, with the sha256 of the
+eval data, are written into the artifact manifest's `evals` section and into `ARTIFACT/evals/` (Markdown and
+PNGs), atomically, and the manifest's file hashes are updated. Gates then decide the exit code; results are
+written before a gate fails the build, so a failing CI run still leaves its evidence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from evals.drift import drift_report
+from evals.mmlu import load_mmlu
+from evals.report import drift_png, kl_histogram_png, markdown
+from evals.scoring import FORMATS, score
+from quantize.artifact import FORMAT as ARTIFACT_FORMAT
+from quantize.artifact import MANIFEST_FILE, load_artifact, read_manifest, verify_artifact
+from quantize.calibdata import CalibrationData
+from quantize.errors import QpackError
+from quantize.fileio import read_json, sha256_file, write_json
+from quantize.models import load_model, load_tokenizer, resolve_model, weights_sha256
+from quantize.progress import NULL_PROGRESS, Progress
+
+REPORT_DIR = "evals"
+
+
+@dataclass(frozen=True)
+class Gate:
+    max_drift: float | None = None
+    max_kl: float | None = None
+    max_flip_rate: float | None = None
+
+    def checked(self) -> list[str]:
+        return [f"{k}={v}" for k, v in dataclasses.asdict(self).items() if v is not None]
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    artifact: Path
+    reference: str | None = None
+    mmlu: Path | None = None
+    subjects: str | None = None
+    limit: int | None = None
+    shots: int = 5
+    formats: tuple[str, ...] = ("letter",)
+    calibration: Path | None = None
+    heldout_tokens: int = 2048
+    gate: Gate = dataclasses.field(default_factory=Gate)
+    write: bool = True
+    token_budget: int = 4096
+    seed: int = 0
+
+    def validate(self) -> None:
+        problems = []
+        if not 0 <= self.shots <= 5:
+            problems.append(f"--shots must be 0..5 (got {self.shots})")
+        unknown = [f for f in self.formats if f not in FORMATS]
+        if unknown or not self.formats:
+            problems.append(
+                f"--format must be letter, cloze or both (got {', '.join(self.formats) or 'nothing'})"
+            )
+        if self.limit is not None and self.limit < 1:
+            problems.append(f"--limit must be at least 1 (got {self.limit})")
+        for name, value in dataclasses.asdict(self.gate).items():
+            if value is not None and value < 0:
+                problems.append(f"--{name.replace('_', '-')} must be >= 0 (got {value})")
+        if self.token_budget < 256:
+            problems.append("--batch-tokens must be at least 256")
+        if problems:
+            raise QpackError("invalid evaluate options: " + "; ".join(problems))
+
+
+@dataclass
+class EvaluateResult:
+    result: dict[str, Any]
+    passed: bool
+    reasons: list[str]
+    report_dir: Path | None
+
+
+def _is_artifact(spec: str) -> bool:
+    path = Path(spec).expanduser()
+    if not (path / MANIFEST_FILE).is_file():
+        return False
+    try:
+        return json.loads((path / MANIFEST_FILE).read_text()).get("format") == ARTIFACT_FORMAT
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def load_reference(
+    spec: str | None, manifest: dict[str, Any], progress: Progress
+) -> tuple[nn.Module, dict[str, Any]]:
+    source = manifest.get("source", {})
+    if spec is not None and _is_artifact(spec):
+        loaded = load_artifact(spec)
+        return loaded.model, {
+            "id": f"{loaded.name} v{loaded.version}",
+            "kind": "artifact",
+            "path": str(loaded.path),
+        }
+    resolved = resolve_model(spec or source.get("model_id"), progress)
+    sha = weights_sha256(resolved)
+    if spec is None and source.get("weights_sha256") and sha != source["weights_sha256"]:
+        raise QpackError(
+            f"the artifact's source model {source.get('model_id')!r} now has different weights ({sha[:12]} vs "
+            f"{source['weights_sha256'][:12]}); pass --reference explicitly"
+        )
+    return load_model(resolved), {"id": resolved.model_id, "kind": resolved.kind, "weights_sha256": sha}
+
+
+def heldout_quality(
+    reference: nn.Module, candidate: nn.Module, calibration: Path, tokens: int, seed: int, progress: Progress
+) -> dict[str, Any]:
+    from quantize.pipeline import _eval_packs, compare_to_reference, reference_hidden
+
+    data = CalibrationData.load(calibration)
+    packs = _eval_packs(data, tokens, seed)
+    with progress.task(f"Held-out queries: perplexity and KL ({sum(p.num_tokens for p in packs)} tokens)"):
+        hidden = reference_hidden(reference, packs)
+        quality = compare_to_reference(candidate, packs, hidden, reference.lm_head)
+    quality["calibration_manifest_sha256"] = data.manifest_sha256
+    return quality
+
+
+def check_gate(gate: Gate, formats: dict[str, dict[str, Any]], heldout: dict[str, Any] | None) -> list[str]:
+    reasons = []
+    for fmt, report in formats.items():
+        drop = -report["drift_points"]
+        if gate.max_drift is not None and drop > gate.max_drift:
+            reasons.append(f"MMLU {fmt} accuracy dropped {drop:.2f} points > --max-drift {gate.max_drift}")
+        rate = report["flips"]["flip_rate"]
+        if gate.max_flip_rate is not None and rate > gate.max_flip_rate:
+            reasons.append(f"MMLU {fmt} flip rate {rate:.3f} > --max-flip-rate {gate.max_flip_rate}")
+    if gate.max_kl is not None:
+        if heldout is not None:
+            if heldout["kl"] > gate.max_kl:
+                reasons.append(f"held-out next-token KL {heldout['kl']:.4f} > --max-kl {gate.max_kl}")
+        else:
+            for fmt, report in formats.items():
+                if report["answer_kl"]["mean"] > gate.max_kl:
+                    reasons.append(
+                        f"MMLU {fmt} answer KL {report['answer_kl']['mean']:.4f} > --max-kl {gate.max_kl} "
+                        "(no calibration directory, so the answer KL is gated)"
+                    )
+    return reasons
+
+
+def _write_reports(root: Path, files: dict[str, bytes]) -> dict[str, str]:
+    """Write report files into ROOT/evals atomically (each via temp + rename); returns {relative path: sha256}."""
+    folder = root / REPORT_DIR
+    folder.mkdir(exist_ok=True)
+    hashes = {}
+    for name, data in files.items():
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, folder / name)
+        hashes[f"{REPORT_DIR}/{name}"] = sha256_file(folder / name)
+    return hashes
+
+
+def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> EvaluateResult:
+    started = time.perf_counter()
+    config.validate()
+    artifact_dir = Path(config.artifact).expanduser().resolve()
+    manifest = verify_artifact(artifact_dir, read_manifest(artifact_dir))
+    data = load_mmlu(config.mmlu, config.subjects, config.limit, config.seed)
+    calibration = config.calibration or Path(manifest.get("calibration", {}).get("path", ""))
+    calibration_ok = bool(str(calibration)) and (Path(calibration) / "manifest.json").is_file()
+    if config.calibration is not None and not calibration_ok:
+        raise QpackError(f"calibration directory {config.calibration} does not exist; fix --calibration")
+
+    loaded = load_artifact(artifact_dir)
+    tokenizer = load_tokenizer(artifact_dir)
+    reference, reference_info = load_reference(config.reference, manifest, progress)
+    by_subject = data.by_subject()
+    timings: dict[str, float] = {}
+    formats: dict[str, dict[str, Any]] = {}
+    items_per_second: dict[str, float] = {}
+    for fmt in config.formats:
+        phase = time.perf_counter()
+        ref_scores = score(
+            reference,
+            tokenizer,
+            fmt,
+            by_subject,
+            data.dev,
+            config.shots,
+            config.token_budget,
+            progress,
+            "reference",
+        )
+        cand_scores = score(
+            loaded.model,
+            tokenizer,
+            fmt,
+            by_subject,
+            data.dev,
+            config.shots,
+            config.token_budget,
+            progress,
+            "artifact",
+        )
+        elapsed = time.perf_counter() - phase
+        timings[f"mmlu_{fmt}"] = elapsed
+        items_per_second[fmt] = 2 * len(data.test) / max(elapsed, 1e-9)
+        formats[fmt] = drift_report(data.test, ref_scores, cand_scores, seed=config.seed)
+    heldout = None
+    if calibration_ok:
+        phase = time.perf_counter()
+        heldout = heldout_quality(
+            reference, loaded.model, Path(calibration), config.heldout_tokens, config.seed, progress
+        )
+        timings["heldout"] = time.perf_counter() - phase
+    reasons = check_gate(config.gate, formats, heldout)
+    result: dict[str, Any] = {
+        "artifact": {"name": loaded.name, "version": loaded.version, "path": str(artifact_dir)},
+        "reference": reference_info,
+        "mmlu": {
+            "layout": data.layout,
+            "source": data.source,
+            "sha256": data.sha256,
+            "subjects": len(by_subject),
+            "questions": len(data.test),
+            "shots": config.shots,
+            "limit": config.limit,
+        },
+        "formats": formats,
+        "heldout": heldout,
+        "heldout_note": None
+        if calibration_ok
+        else f"calibration directory {calibration or '(none)'} not found; skipped",
+        "items_per_second": items_per_second,
+        "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        "gate": {"checked": config.gate.checked(), "passed": not reasons, "reasons": reasons},
+        "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    report_dir = None
+    if config.write:
+        report_dir = artifact_dir / REPORT_DIR
+        files: dict[str, bytes] = {"report.md": markdown(result).encode()}
+        for fmt, report in formats.items():
+            title = f"{loaded.name} vs {reference_info['id']} ({fmt}, {config.shots}-shot)"
+            files[f"drift_{fmt}.png"] = drift_png(report, title)
+            files[f"answer_kl_{fmt}.png"] = kl_histogram_png(report["kl_values"], title)
+        compact = {
+            **result,
+            "formats": {f: {k: v for k, v in r.items() if k != "kl_values"} for f, r in formats.items()},
+        }
+        files["mmlu.json"] = json.dumps(compact, indent=2).encode()
+        hashes = _write_reports(artifact_dir, files)
+        fresh = read_json(artifact_dir / MANIFEST_FILE, "artifact manifest")
+        fresh["files"] = {**fresh.get("files", {}), **hashes}
+        summary = "; ".join(
+            f"{fmt} acc {r['candidate']['accuracy']:.1%} (ref {r['reference']['accuracy']:.1%}, "
+            f"drift {r['drift_points']:+.2f} pts, flips {r['flips']['flip_rate']:.1%})"
+            for fmt, r in formats.items()
+        )
+        fresh.setdefault("evals", {})["mmlu"] = {**compact, "summary": summary, "data_sha256": data.sha256}
+        write_json(artifact_dir / MANIFEST_FILE, fresh)
+        verify_artifact(artifact_dir)
+    return EvaluateResult(result, not reasons, reasons, report_dir)

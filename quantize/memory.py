@@ -1,0 +1,40 @@
+"""Process memory policy: give large freed buffers back to the OS.
+
+glibc's allocator serves large requests from its heap once its dynamic mmap threshold has grown, and a heap
+fragmented by 25-100 MB temporaries (logit chunks, dequantized weights, activations) is not returned to the OS.
+On SmolLM2 that kept ~450 MB of freed memory resident during `qpack quantize`. Pinning the mmap and trim
+thresholds to 1 MiB makes every large buffer its own mapping, released on free, at the cost of page faults on
+reuse (small next to the math on those buffers). The CLI calls this once at start; library users may too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_applied = False
+
+
+def release_freed_memory(threshold_bytes: int = 1 << 20) -> bool:
+    """Apply the policy (glibc only); returns whether it took effect."""
+    global _applied
+    if _applied:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        ok = (
+            libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes) == 1
+            and libc.mallopt(_M_TRIM_THRESHOLD, threshold_bytes) == 1
+        )
+    except (OSError, AttributeError):
+        return False
+    _applied = ok
+    return ok

@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from evals.cli import app
+from evals.evaluate import EvaluateConfig, Gate, evaluate
+from quantize.artifact import read_manifest, verify_artifact
+from quantize.errors import QpackError
+from quantize.pipeline import QuantizeConfig, quantize_model
+from quantize.sensitivity import SensitivityConfig
+
+runner = CliRunner()
+SUBSET = "anatomy,marketing,college_physics"
+
+
+@pytest.fixture()
+def artifact(tiny_llama_calibration: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "art"
+    quantize_model(
+        QuantizeConfig(
+            output=out,
+            calibration=tiny_llama_calibration,
+            preset="int4",
+            group_size=32,
+            algorithm="rtn",
+            sensitivity=SensitivityConfig(num_tokens=64),
+            calib_tokens=256,
+            eval_tokens=128,
+        )
+    )
+    return out
+
+
+def test_evaluate_writes_results_and_keeps_hashes_valid(artifact: Path, mmlu_dir: Path) -> None:
+    result = evaluate(
+        EvaluateConfig(
+            artifact=artifact, mmlu=mmlu_dir, subjects=SUBSET, limit=4, shots=1, formats=("letter", "cloze")
+        )
+    )
+    assert result.passed and result.reasons == []
+    assert set(result.result["formats"]) == {"letter", "cloze"}
+    assert result.result["heldout"]["tokens"] > 0 and result.result["reference"]["kind"] == "folder"
+    manifest = verify_artifact(artifact)
+    mmlu = manifest["evals"]["mmlu"]
+    assert mmlu["data_sha256"] == result.result["mmlu"]["sha256"] and mmlu["mmlu"]["questions"] == 12
+    assert "kl_values" not in mmlu["formats"]["letter"]
+    for name in ("evals/report.md", "evals/drift_letter.png", "evals/answer_kl_cloze.png", "evals/mmlu.json"):
+        assert name in manifest["files"] and (artifact / name).is_file()
+    report = (artifact / "evals" / "report.md").read_text()
+    assert "| letter |" in report and "Held-out calibration queries" in report
+
+
+def test_gate_fails_with_a_reason_after_writing(artifact: Path, mmlu_dir: Path) -> None:
+    result = evaluate(
+        EvaluateConfig(
+            artifact=artifact,
+            mmlu=mmlu_dir,
+            subjects=SUBSET,
+            limit=3,
+            shots=0,
+            gate=Gate(max_kl=0.0, max_flip_rate=1.0),
+        )
+    )
+    assert not result.passed and any("held-out next-token KL" in r for r in result.reasons)
+    assert read_manifest(artifact)["evals"]["mmlu"]["gate"]["passed"] is False
+
+
+def test_cli_gate_exit_codes(artifact: Path, mmlu_dir: Path) -> None:
+    base = [
+        "evaluate",
+        str(artifact),
+        "--mmlu",
+        str(mmlu_dir),
+        "--subjects",
+        SUBSET,
+        "--limit",
+        "2",
+        "--shots",
+        "0",
+    ]
+    ok = runner.invoke(app, ["--json", *base, "--max-drift", "100", "--max-flip-rate", "1"])
+    assert ok.exit_code == 0, ok.output
+    data = json.loads(ok.stdout)
+    assert data["ok"] is True and data["gate"]["passed"] is True
+    failed = runner.invoke(app, [*base, "--max-kl", "0"])
+    assert failed.exit_code == 1 and "gate failed" in failed.stderr and "--max-kl 0" in failed.stderr
+    usage = runner.invoke(app, [*base, "--shots", "9"])
+    assert usage.exit_code == 2 and "--shots must be 0..5" in usage.stderr
+
+
+def test_bad_inputs(artifact: Path, mmlu_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(QpackError, match="unknown MMLU subject"):
+        evaluate(EvaluateConfig(artifact=artifact, mmlu=mmlu_dir, subjects="astrology"))
+    with pytest.raises(QpackError, match=r"calibration directory .* does not exist"):
+        evaluate(
+            EvaluateConfig(artifact=artifact, mmlu=mmlu_dir, subjects=SUBSET, calibration=tmp_path / "x")
+        )
+    with pytest.raises(QpackError, match=r"is not a qpack artifact|does not exist"):
+        evaluate(EvaluateConfig(artifact=tmp_path, mmlu=mmlu_dir))
+
+
+def test_build_runs_the_whole_pipeline(
+    tiny_llama: Path, mmlu_dir: Path, tmp_path: Path, queries_file: Path
+) -> None:
+    out = tmp_path / "built"
+    args = [
+        "--json",
+        "build",
+        "-m",
+        str(tiny_llama),
+        "--queries",
+        str(queries_file),
+        "-n",
+        "48",
+        "-o",
+        str(out),
+    ]
+    args += [
+        "--preset",
+        "int8",
+        "--mmlu",
+        str(mmlu_dir),
+        "--subjects",
+        SUBSET,
+        "--limit",
+        "2",
+        "--shots",
+        "1",
+    ]
+    result = runner.invoke(app, [*args, "--max-drift", "50"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert (
+        summary["ok"]
+        and summary["gate"]["passed"]
+        and set(summary["stages_s"]) == {"calibrate", "quantize", "evaluate"}
+    )
+    assert (tmp_path / "built.calibration" / "manifest.json").is_file()
+    assert verify_artifact(out)["evals"]["mmlu"]["mmlu"]["questions"] == 6
+    again = runner.invoke(app, args)
+    assert again.exit_code == 2 and "already exists" in again.stderr
+    failed = runner.invoke(app, [*args, "--overwrite", "--max-kl", "0"])
+    assert failed.exit_code == 1
+    assert json.loads(failed.stdout)["gate"]["passed"] is False
