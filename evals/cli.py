@@ -563,8 +563,78 @@ def evaluate(
 
 
 @app.command(help="Serve an artifact with continuous batching over a paged KV cache (OpenAI API).")
-def serve(ctx: typer.Context) -> None:
-    _not_built(ctx, "serve")
+def serve(
+    ctx: typer.Context,
+    target: str = typer.Argument(
+        ..., help="Artifact directory, or a model (HF folder, .gguf, Hub id, alias)."
+    ),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default loopback only)."),
+    port: int = typer.Option(8000, "--port", help="Port."),
+    kv_memory: str = typer.Option(
+        "512MB", "--kv-memory", help="KV pool size: bytes (512MB, 2GiB) or a fraction of free memory."
+    ),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
+    max_num_batched_tokens: int = typer.Option(
+        1024, "--max-num-batched-tokens", help="Token budget per step."
+    ),
+    max_num_seqs: int = typer.Option(32, "--max-num-seqs", help="Sequences per batch."),
+    max_queue: int = typer.Option(256, "--max-queue", help="Waiting requests before 429."),
+    max_model_len: int | None = typer.Option(
+        None, "--max-model-len", help="Context limit (default: the model's)."
+    ),
+    request_timeout: float = typer.Option(
+        600.0, "--request-timeout", help="Seconds before a request is aborted."
+    ),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="QPACK_API_KEY", help="Require 'Authorization: Bearer KEY'."
+    ),
+    dtype: str = typer.Option("float32", "--dtype", help="For plain models: float32, bfloat16 or float16."),
+    prefix_caching: bool = typer.Option(
+        True, "--prefix-caching/--no-prefix-caching", help="Share cached prompt prefixes."
+    ),
+) -> None:
+    from serve.api import ServerInfo
+    from serve.engine import EngineConfig
+    from serve.server import build_engine, describe, load_for_serving, serve_forever
+
+    out = _out(ctx)
+    problems = [
+        message
+        for ok, message in (
+            (block_size >= 1, "--block-size must be at least 1"),
+            (max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1"),
+            (max_num_seqs >= 1, "--max-num-seqs must be at least 1"),
+            (max_queue >= 0, "--max-queue must be >= 0"),
+            (request_timeout > 0, "--request-timeout must be > 0"),
+            (1 <= port <= 65535, "--port must be 1..65535"),
+        )
+        if not ok
+    ]
+    if problems:
+        out.error("invalid serve options: " + "; ".join(problems), EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE)
+    loaded = _run(out, lambda: load_for_serving(target, dtype))
+    config = EngineConfig(
+        block_size=block_size,
+        kv_memory=kv_memory,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_queue=max_queue,
+        max_model_len=max_model_len,
+        enable_prefix_caching=prefix_caching,
+    )
+    engine = _run(out, lambda: build_engine(loaded, config))
+    if not out.quiet:
+        out.stderr.print(
+            f"[bold]qpack serve[/] {loaded.name} v{loaded.version} ({loaded.source})", highlight=False
+        )
+        out.stderr.print(describe(engine), highlight=False)
+        out.stderr.print(
+            f"listening on http://{host}:{port} (OpenAI API under /v1; /health, /metrics)", highlight=False
+        )
+        if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+            out.warn(f"binding {host} without --api-key: anyone who can reach this port can use the model")
+    serve_forever(engine, ServerInfo(loaded.name, loaded.version, api_key, request_timeout), host, port)
 
 
 @app.command(help="Speed, memory and load benchmarks against a baseline measured in the same run.")

@@ -93,7 +93,7 @@ def test_quantize_and_inspect(tmp_path: Path, tiny_llama: Path, tiny_llama_calib
     assert again.exit_code == 2 and "already exists" in again.stderr
 
 
-@pytest.mark.parametrize("command", ["serve", "bench"])
+@pytest.mark.parametrize("command", ["bench"])
 def test_unbuilt_commands_say_so(command: str) -> None:
     result = runner.invoke(app, [command])
     assert result.exit_code == 2 and "not built yet" in result.stderr

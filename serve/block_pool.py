@@ -1,0 +1,141 @@
+"""The KV block pool: which fixed-size KV slots belong to whom, with prefix sharing and LRU reuse.
+
+Pure Python and tensor-free on purpose (like vLLM's `v1/core/block_pool.py`): the scheduler's decisions are
+all about block bookkeeping, so they are tested here with a handful of blocks and no model.
+
+- Blocks live in a free list ordered least-recently-freed first; allocation pops from the head.
+- Every block has a `ref_cnt`: sequences sharing a prefix share its blocks; a block returns to the free list
+  only when its last user frees it.
+- A *full* block can be registered under a hash of (parent block's hash, its tokens). A later request whose
+  prompt starts with the same tokens finds those blocks and reuses their KV instead of recomputing it (system
+  prompts, few-shot examples). Freed blocks keep their contents and hash while they sit in the free list, so a
+  prefix stays reusable until its block is actually handed out again (LRU eviction).
+- Running out is normal back-pressure, not an error: `allocate` returns `None` and the scheduler decides
+  (wait, or preempt a sequence).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PrefixKey = tuple[int | None, tuple[int, ...]]
+
+
+def prefix_keys(tokens: Sequence[int], block_size: int) -> list[PrefixKey]:
+    """Chained keys of the full blocks of `tokens`: key_i = (hash(key_{i-1}), tokens of block i)."""
+    keys: list[PrefixKey] = []
+    parent: int | None = None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        key: PrefixKey = (parent, tuple(tokens[start : start + block_size]))
+        keys.append(key)
+        parent = hash(key)
+    return keys
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    key: PrefixKey | None = None
+
+
+@dataclass
+class BlockPool:
+    num_blocks: int
+    enable_caching: bool = True
+    blocks: list[Block] = field(init=False)
+    _free: OrderedDict[int, None] = field(init=False)
+    _cached: dict[PrefixKey, int] = field(init=False)
+    cache_queries: int = 0
+    cache_hits: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError("a block pool needs at least one block")
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        self._free = OrderedDict((i, None) for i in range(self.num_blocks))
+        self._cached = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """`count` fresh blocks (ref_cnt 1), least recently freed first; None if there are not enough."""
+        if count > len(self._free):
+            return None
+        ids = []
+        for _ in range(count):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.key is not None:
+                if self._cached.get(block.key) == block_id:
+                    del self._cached[block.key]
+                block.key = None
+            block.ref_cnt = 1
+            ids.append(block_id)
+        return ids
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block; blocks reaching zero go to the tail of the free list.
+
+        Freed in reverse so that a sequence's *last* blocks are evicted first and its prefix survives longest.
+        """
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_cnt > 0, f"block {block_id} freed more often than allocated"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block_id] = None
+
+    def lookup(self, keys: Sequence[PrefixKey]) -> list[int]:
+        """Longest run of cached blocks matching `keys` from the start (does not take references)."""
+        if not self.enable_caching:
+            return []
+        found = []
+        for key in keys:
+            self.cache_queries += 1
+            block_id = self._cached.get(key)
+            if block_id is None:
+                break
+            self.cache_hits += 1
+            found.append(block_id)
+        return found
+
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Take a reference to cached blocks (a prefix-cache hit); revives them from the free list."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self._free[block_id]
+            block.ref_cnt += 1
+
+    def register(self, block_id: int, key: PrefixKey) -> None:
+        """Mark a full block as holding the KV for `key` so later prompts can share it."""
+        if not self.enable_caching:
+            return
+        block = self.blocks[block_id]
+        if block.key is not None:
+            return
+        if key in self._cached:
+            return  # an identical block is already cached; this one stays private
+        block.key = key
+        self._cached[key] = block_id
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cache_hits / self.cache_queries if self.cache_queries else 0.0

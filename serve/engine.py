@@ -1,0 +1,367 @@
+"""The serving engine: scheduler + model runner + sampling + detokenization, one step at a time.
+
+`Engine.step()` is one iteration of continuous batching: schedule (under a lock, since HTTP handlers add and
+abort requests from other threads), run the model without the lock, then commit progress, sample, detokenize
+incrementally, apply stop conditions and hand each request its new text through its callback. An aborted or
+timed-out request frees its KV blocks immediately; if it was in the batch being computed, its result is
+dropped when the step commits. `run()` loops on a background thread until told to stop.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from serve.block_pool import BlockPool
+from serve.metrics import Metrics
+from serve.runner import ModelRunner, kv_bytes_per_token
+from serve.sampler import sample
+from serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from serve.sequence import SamplingParams, Sequence
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "kib": 2**10,
+    "m": 1e6,
+    "mb": 1e6,
+    "mib": 2**20,
+    "g": 1e9,
+    "gb": 1e9,
+    "gib": 2**30,
+    "t": 1e12,
+    "tb": 1e12,
+    "tib": 2**40,
+}
+
+
+class QueueFull(Exception):
+    """The waiting queue is at --max-queue: the caller should retry later (HTTP 429)."""
+
+
+def parse_memory(value: str | float | int, device: torch.device) -> int:
+    """Bytes from '512MB', '2GiB', 1e9, or a fraction of currently free memory ('0.25')."""
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match is None:
+            raise ValueError(f"--kv-memory {value!r} is not a size (e.g. 512MB, 2GiB) or a fraction (0.25)")
+        number, unit = float(match.group(1)), (match.group(2) or "").lower()
+        if unit not in _UNITS:
+            raise ValueError(f"--kv-memory unit {unit!r} unknown; use MB, GB, MiB or GiB")
+        value = number if unit == "" and number <= 1 else number * _UNITS[unit]
+    if 0 < float(value) <= 1:
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        return int(float(value) * free)
+    return int(value)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    kv_memory: str | float | int = "512MB"
+    kv_dtype: torch.dtype = torch.float32
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 32
+    max_queue: int = 256
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    device: str = "cpu"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
+class _Stream:
+    seq: Sequence
+    text: str = ""
+    sent: int = 0
+    max_stop: int = 0
+
+
+@dataclass
+class EngineStats:
+    peak_kv_waste: float = 0.0
+    peak_kv_allocated: int = 0
+    peak_running: int = 0
+    steps: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        config: EngineConfig = EngineConfig(),
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = metrics or Metrics()
+        device = torch.device(config.device)
+        per_token = kv_bytes_per_token(model.config, config.kv_dtype)  # type: ignore[attr-defined]
+        self.kv_bytes = parse_memory(config.kv_memory, device)
+        num_blocks = self.kv_bytes // (per_token * config.block_size)
+        if num_blocks < 2:
+            raise ValueError(
+                f"--kv-memory {config.kv_memory} holds {num_blocks} blocks of {config.block_size} tokens "
+                f"({per_token} bytes per token); give it more memory"
+            )
+        self.kv_bytes_per_token = per_token
+        position_limit = int(getattr(model.config, "max_position_embeddings", 2048))  # type: ignore[attr-defined]
+        self.max_model_len = min(
+            config.max_model_len or position_limit, position_limit, num_blocks * config.block_size
+        )
+        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                block_size=config.block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_queue=config.max_queue,
+                max_model_len=self.max_model_len,
+            ),
+            self.pool,
+        )
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.kv_dtype, device)
+        self.eos_ids = self._eos_ids()
+        self.streams: dict[str, _Stream] = {}
+        self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
+        self.stats = EngineStats()
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self.paused = threading.Event()  # set: the loop stops stepping (maintenance; tests hold work queued)
+        self.metrics.kv_blocks_total.set(num_blocks)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        generation = getattr(self.model, "generation_config", None)
+        for source in (
+            getattr(generation, "eos_token_id", None),
+            getattr(self.tokenizer, "eos_token_id", None),
+        ):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, list | tuple):
+                ids.update(int(i) for i in source)
+        return ids
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    # ------------------------------------------------------------------ requests (any thread)
+
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        callback: Callable[[RequestOutput], None],
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+                f"{self.max_model_len} tokens"
+            )
+        seq = Sequence(request_id, list(prompt_ids), params, priority=priority)
+        if timeout is not None:
+            seq.deadline = time.monotonic() + timeout
+        stream = _Stream(seq, max_stop=max((len(s) for s in params.stop), default=0))
+        with self._wake:
+            if request_id in self.streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if not self.scheduler.add(seq):
+                self.metrics.rejected.inc()
+                raise QueueFull(f"the queue holds {self.scheduler.num_waiting} requests (--max-queue)")
+            self.streams[request_id] = stream
+            self._callbacks[request_id] = callback
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+            self._wake.notify()
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Finish a request now and free its blocks; False if it was not running."""
+        with self._wake:
+            stream = self.streams.pop(request_id, None)
+            self._callbacks.pop(request_id, None)
+            if stream is None:
+                return False
+            self.scheduler.finish(stream.seq, reason)
+            self.metrics.requests.labels(finish_reason=reason).inc()
+            self._update_gauges()
+        return True
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the loop (engine thread)
+
+    def _expire(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        expired = []
+        for request_id, stream in list(self.streams.items()):
+            if stream.seq.deadline is not None and now > stream.seq.deadline:
+                self.streams.pop(request_id)
+                self.scheduler.finish(stream.seq, "timeout")
+                self.metrics.requests.labels(finish_reason="timeout").inc()
+                expired.append(self._output(stream, "", [], True))
+        return expired
+
+    def _output(self, stream: _Stream, text: str, ids: list[int], finished: bool) -> RequestOutput:
+        seq = stream.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=ids,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(seq.output_ids),
+            cached_tokens=seq.cached_prompt_tokens,
+        )
+
+    def _update_gauges(self) -> None:
+        allocated, unused = self.scheduler.kv_waste()
+        ratio = unused / allocated if allocated else 0.0
+        if allocated > self.stats.peak_kv_allocated:
+            self.stats.peak_kv_allocated = allocated
+            self.stats.peak_kv_waste = ratio
+        self.metrics.kv_waste.set(ratio)
+        self.metrics.queue_depth.set(self.scheduler.num_waiting)
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.kv_blocks_used.set(self.pool.num_used)
+        self.metrics.prefix_hit_rate.set(self.pool.hit_rate)
+        self.stats.peak_running = max(self.stats.peak_running, len(self.scheduler.running))
+
+    def _advance(self, stream: _Stream, token: int) -> RequestOutput | None:
+        seq = stream.seq
+        now = time.monotonic()
+        params = seq.params
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.metrics.ttft.observe(now - seq.arrival_time)
+        seq.last_token_time = now
+        reason = None
+        if not params.ignore_eos and token in self.eos_ids:
+            reason = "stop"
+        else:
+            seq.output_ids.append(token)
+            self.metrics.generated_tokens.inc()
+            if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        if params.stop:
+            start = max(0, stream.sent - stream.max_stop)
+            hits = [(text.find(stop, start), stop) for stop in params.stop]
+            hits = [(pos, stop) for pos, stop in hits if pos >= 0]
+            if hits:
+                text = text[: min(pos for pos, _ in hits)]
+                reason = "stop"
+        stream.text = text
+        finished = reason is not None
+        limit = len(text)
+        if not finished:
+            if text.endswith("\ufffd"):
+                limit = len(text.rstrip("\ufffd"))
+            if stream.max_stop:
+                limit = min(limit, len(text) - stream.max_stop + 1)
+        limit = max(limit, stream.sent)
+        delta = text[stream.sent : limit]
+        stream.sent = limit
+        if finished:
+            self.scheduler.finish(seq, reason)  # type: ignore[arg-type]
+            self.streams.pop(seq.request_id, None)
+            self.metrics.requests.labels(finish_reason=reason).inc()
+            self.metrics.e2e.observe(now - seq.arrival_time)
+            if len(seq.output_ids) > 1 and seq.first_token_time is not None:
+                self.metrics.tpot.observe((now - seq.first_token_time) / (len(seq.output_ids) - 1))
+        new_ids = [token] if (params.ignore_eos or token not in self.eos_ids) else []
+        if not delta and not finished and not new_ids:
+            return None
+        return self._output(stream, delta, new_ids, finished)
+
+    def step(self) -> bool:
+        """One scheduling iteration; False when there was nothing to run."""
+        with self._lock:
+            outputs = self._expire()
+            scheduled: SchedulerOutput = self.scheduler.schedule()
+            if scheduled.preempted:
+                self.metrics.preemptions.inc(len(scheduled.preempted))
+            self._update_gauges()
+        self._deliver(outputs)
+        if not scheduled.scheduled:
+            return bool(outputs)
+        logits = self.runner.execute(scheduled.scheduled)
+        sampling = self.runner.ordered(scheduled.scheduled)
+        with self._lock:
+            self.scheduler.commit(scheduled)
+            live = [
+                (row, item)
+                for row, item in enumerate(sampling)
+                if not item.seq.finished and item.seq.request_id in self.streams
+            ]
+            tokens = sample(logits[[row for row, _ in live]], [item.seq for _, item in live]) if live else []
+            for (_row, item), token in zip(live, tokens, strict=True):
+                output = self._advance(self.streams[item.seq.request_id], token)
+                if output is not None:
+                    outputs.append(output)
+            self._update_gauges()
+            self.stats.steps += 1
+            self.metrics.steps.inc()
+        self._deliver(outputs)
+        return True
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            with self._lock:
+                if output.finished:
+                    callback = self._callbacks.pop(output.request_id, None)
+                else:
+                    callback = self._callbacks.get(output.request_id)
+            if callback is not None:
+                callback(output)
+
+    def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+        while not stop.is_set():
+            if self.paused.is_set():
+                time.sleep(idle_wait)
+                continue
+            if not self.step():
+                with self._wake:
+                    if not self.scheduler.has_work() and not stop.is_set():
+                        self._wake.wait(timeout=idle_wait)
+
+    def wake(self) -> None:
+        with self._wake:
+            self._wake.notify_all()

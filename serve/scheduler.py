@@ -1,0 +1,191 @@
+"""Iteration-level (continuous) batching over the paged KV pool.
+
+Every step the scheduler builds one batch under a token budget:
+1. Running sequences first, oldest first: a decoding sequence needs one token, a sequence still in prefill
+   gets the next chunk of its prompt. Decodes are cheap and always go first, so a long prompt arriving never
+   stalls the streams already running; its prefill is spread over several steps (chunked prefill).
+2. Waiting requests are admitted in priority order (lower `priority` first, FCFS within a class) while the
+   budget and `max_num_seqs` allow, after reusing any cached prefix blocks.
+When the pool cannot give a running sequence its next block, the *newest* running sequence is preempted:
+its blocks are freed and it goes back to the head of its class in the queue, to be recomputed later (cheaply,
+if its prefix blocks are still cached). Admission never preempts: a new request simply waits.
+
+The waiting queue is bounded (`max_queue`); `add` returns False when it is full, which the API turns into a
+429 with Retry-After. The scheduler never touches tensors.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from serve.block_pool import BlockPool
+from serve.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int = 16
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 32
+    max_queue: int = 256
+    max_model_len: int = 2048
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    start: int  # tokens already in the KV cache before this step
+    num_new: int  # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so a next token is sampled."""
+        return self.start + self.num_new == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[Scheduled] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: list[tuple[tuple[int, int], Sequence]] = []
+        self.running: list[Sequence] = []
+        self._arrivals = 0
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> bool:
+        """Queue a request; False when the waiting queue is full (back-pressure)."""
+        if len(self.waiting) >= self.config.max_queue:
+            return False
+        seq.arrival_index = self._arrivals
+        self._arrivals += 1
+        seq.status = Status.WAITING
+        heapq.heappush(self.waiting, (seq.sort_key(), seq))
+        return True
+
+    def _blocks_needed(self, seq: Sequence, tokens: int) -> int:
+        return -(-tokens // self.config.block_size) - len(seq.block_ids)
+
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        need = self._blocks_needed(seq, tokens)
+        if need <= 0:
+            return True
+        blocks = self.pool.allocate(need)
+        if blocks is None:
+            return False
+        seq.block_ids.extend(blocks)
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_ids:
+            self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed = 0
+        seq.num_registered = 0
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        heapq.heappush(self.waiting, (seq.sort_key(), seq))
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished and free its blocks now (also for aborts and timeouts)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting = [(k, s) for k, s in self.waiting if s is not seq]
+            heapq.heapify(self.waiting)
+        self._release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_uncomputed, budget)
+            while not self._grow(seq, seq.num_computed + num_new):
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
+                if victim is None:
+                    break
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running or self._blocks_needed(seq, seq.num_computed + num_new) > 0:
+                continue
+            out.scheduled.append(Scheduled(seq, seq.num_computed, num_new))
+            scheduled_ids.add(id(seq))
+            budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            _key, seq = self.waiting[0]
+            tokens = seq.all_ids
+            cacheable = (len(tokens) - 1) // self.config.block_size
+            hits = self.pool.lookup(seq.keys(self.config.block_size)[:cacheable])
+            self.pool.share(hits)
+            seq.block_ids = list(hits)
+            seq.num_computed = len(hits) * self.config.block_size
+            seq.num_registered = len(hits)
+            num_new = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, seq.num_computed + num_new):
+                self._release(seq)
+                break
+            heapq.heappop(self.waiting)
+            if seq.output_ids == [] and seq.num_preemptions == 0:
+                seq.cached_prompt_tokens = seq.num_computed
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(Scheduled(seq, seq.num_computed, num_new))
+            scheduled_ids.add(id(seq))
+            budget -= num_new
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """After the model ran: advance progress and publish newly full blocks to the prefix cache."""
+        size = self.config.block_size
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.finished:
+                continue
+            seq.num_computed = item.start + item.num_new
+            full = seq.num_computed // size
+            if full > seq.num_registered:
+                keys = seq.keys(size)
+                for index in range(seq.num_registered, full):
+                    self.pool.register(seq.block_ids[index], keys[index])
+                seq.num_registered = full
+
+    def kv_waste(self) -> tuple[int, int]:
+        """(slots held by running sequences, of which unused): only a sequence's last block can be partly empty,
+        since shared prefix blocks are full by construction."""
+        size = self.config.block_size
+        held = {b for s in self.running for b in s.block_ids}
+        unused = sum(
+            len(s.block_ids) * size - min(s.num_tokens, len(s.block_ids) * size) for s in self.running
+        )
+        return len(held) * size, unused

@@ -1,0 +1,135 @@
+"""`qpack serve`: load an artifact (or a plain model), size the KV pool, and run the HTTP server.
+
+Binds 127.0.0.1 unless told otherwise. SIGTERM (or Ctrl-C) starts a drain: health turns 503, new requests are
+refused, running requests finish and stream to the end, then the process exits.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantize.errors import QpackError
+from serve.api import ServerInfo, create_app
+from serve.engine import Engine, EngineConfig
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any
+    name: str
+    version: str
+    source: str
+
+
+def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """An artifact directory (quantized modules) or any `--model` spec (FP32/BF16, for comparison)."""
+    from quantize.models import load_model, load_tokenizer, resolve_model
+
+    path = Path(target).expanduser()
+    if (path / "manifest.json").is_file():
+        from quantize.artifact import load_artifact
+
+        loaded = load_artifact(path, device=device)
+        return LoadedModel(loaded.model, load_tokenizer(path), loaded.name, loaded.version, str(loaded.path))
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise QpackError(f"--dtype must be one of {', '.join(dtypes)} (got {dtype!r})")
+    source = resolve_model(target)
+    model = load_model(source, dtype=dtypes[dtype], device=device)
+    return LoadedModel(
+        model, load_tokenizer(source), source.model_id.rsplit("/", 1)[-1], dtype, source.model_id
+    )
+
+
+def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
+    try:
+        return Engine(loaded.model, loaded.tokenizer, config)
+    except ValueError as exc:
+        raise QpackError(str(exc)) from None
+
+
+def describe(engine: Engine) -> str:
+    tokens = engine.num_blocks * engine.config.block_size
+    return (
+        f"KV cache: {engine.num_blocks:,} blocks x {engine.config.block_size} tokens = {tokens:,} tokens "
+        f"({engine.kv_bytes / 2**20:.0f} MiB, {engine.kv_bytes_per_token / 1024:.1f} KiB/token); "
+        f"max context {engine.max_model_len:,} tokens"
+    )
+
+
+class _DrainingServer:
+    """uvicorn.Server that flips the app into draining mode the moment a shutdown signal arrives."""
+
+    def __init__(self, app: Any, host: str, port: int, log_level: str) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                # Drain instead of re-raising the signal after shutdown: a completed drain exits 0.
+                app.state.start_draining()
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True
+                else:
+                    self.should_exit = True
+
+        self.server = Server(
+            uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=600)
+        )
+
+    def run(self) -> None:
+        self.server.run()
+
+
+def serve_forever(
+    engine: Engine, info: ServerInfo, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning"
+) -> None:
+    app = create_app(engine, info)
+    _DrainingServer(app, host, port, log_level).run()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class BackgroundServer:
+    """A server on a thread (tests, benchmarks): `with BackgroundServer(engine, info) as url: ...`."""
+
+    def __init__(self, engine: Engine, info: ServerInfo, port: int | None = None) -> None:
+        import uvicorn
+
+        self.app = create_app(engine, info)
+        self.port = port or free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        return self.url
+
+    def __exit__(self, *exc: object) -> None:
+        self.app.state.start_draining()
+        self.server.should_exit = True
+        self.thread.join(timeout=60)

@@ -1,0 +1,220 @@
+"""The HTTP API on a real server (loopback) with a tiny model: happy paths, every error, aborts."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from quantize.models import load_model, load_tokenizer, resolve_model
+from serve.api import ServerInfo
+from serve.engine import Engine, EngineConfig
+from serve.server import BackgroundServer
+
+
+def make_engine(model_dir: Path, **kwargs) -> Engine:
+    source = resolve_model(str(model_dir))
+    config = EngineConfig(**{"block_size": 4, "kv_memory": "16MB", "max_model_len": 256, **kwargs})
+    return Engine(load_model(source), load_tokenizer(source), config)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path):
+    engine = make_engine(tiny_llama)
+    with BackgroundServer(engine, ServerInfo(name="tiny", version="3")) as url:
+        yield url, engine
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+def test_models_health_metrics(server) -> None:
+    url, _engine = server
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["version"] == "3"
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    httpx.post(f"{url}/v1/completions", json={"prompt": "hello there", "max_tokens": 3, "temperature": 0})
+    text = httpx.get(f"{url}/metrics").text
+    for name in (
+        "qpack_queue_depth",
+        "qpack_kv_blocks_used",
+        "qpack_kv_blocks_total",
+        "qpack_prefix_cache_hit_rate",
+        "qpack_time_to_first_token_seconds_bucket",
+        "qpack_time_per_output_token_seconds",
+        "qpack_generation_tokens_total",
+    ):
+        assert name in text, name
+
+
+def test_completion_and_chat(server) -> None:
+    url, _ = server
+    body = httpx.post(
+        f"{url}/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": "Once upon a time",
+            "max_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    ).json()
+    assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] > 3
+    again = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+    ).json()
+    assert again["choices"][0]["text"] == body["choices"][0]["text"]
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    ).json()
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["usage"]["completion_tokens"] == 4
+
+
+def test_streaming_completion_and_chat(server) -> None:
+    url, _ = server
+    payload = {
+        "prompt": "Once upon a time",
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", f"{url}/v1/completions", json=payload) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = [line for line in response.iter_lines() if line]
+    assert raw[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in raw[:-1]]
+    assert events[-1]["usage"]["completion_tokens"] == 6
+    finals = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length"
+    whole = httpx.post(
+        f"{url}/v1/completions",
+        json={k: v for k, v in payload.items() if k not in ("stream", "stream_options")},
+    ).json()
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == whole["choices"][0]["text"]
+    chat = {
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 3,
+        "stream": True,
+        "temperature": 0,
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat) as response:
+        events = sse_events(response)
+    assert (
+        events[0]["choices"][0]["delta"] == {"role": "assistant"}
+        and events[0]["object"] == "chat.completion.chunk"
+    )
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "fragment"),
+    [
+        ({"prompt": "x", "max_tokens": 0}, 400, "'max_tokens' must be at least 1"),
+        ({"prompt": "x", "max_tokens": 100000}, 400, "too large"),
+        ({"prompt": "x", "max_tokens": "ten"}, 400, "'max_tokens' must be an integer"),
+        ({"prompt": "x", "temperature": "hot"}, 400, "'temperature' must be a number"),
+        ({"prompt": "x", "temperature": 5}, 400, "between 0.0 and 2.0"),
+        ({"prompt": "x", "n": 2}, 400, "'n' is not supported"),
+        ({"prompt": "x", "logprobs": 3}, 400, "'logprobs' is not supported"),
+        ({"prompt": "x", "stop": 5}, 400, "'stop' must be a string"),
+        ({"prompt": ""}, 400, "must not be empty"),
+        ({"prompt": 12}, 400, "'prompt' must be a non-empty string"),
+        ({"prompt": [1, 99999]}, 400, "token ids must be in"),
+        ({"prompt": " ".join(["word"] * 400)}, 400, "longer than the model context"),
+        ({"prompt": "x", "model": "other"}, 404, "not served here"),
+        ({"prompt": "x", "stream": "yes"}, 400, "'stream' must be a boolean"),
+    ],
+)
+def test_completion_errors(server, payload, status, fragment) -> None:
+    url, _ = server
+    response = httpx.post(f"{url}/v1/completions", json=payload)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"] and error["type"]
+
+
+def test_malformed_json_and_bad_messages(server) -> None:
+    url, _ = server
+    response = httpx.post(
+        f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and "malformed JSON" in response.json()["error"]["message"]
+    assert httpx.post(f"{url}/v1/chat/completions", json={"messages": []}).status_code == 400
+    bad_role = httpx.post(
+        f"{url}/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}
+    )
+    assert bad_role.status_code == 400 and "role" in bad_role.json()["error"]["message"]
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server) -> None:
+    url, engine = server
+    payload = {
+        "prompt": "Once upon a time",
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{url}/v1/completions", json=payload) as response:
+        lines = response.iter_lines()
+        next(lines)
+        assert engine.pool.num_used > 0
+    deadline = time.monotonic() + 5
+    while engine.pool.num_used and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.pool.num_used == 0 and not engine.streams
+    assert 'finish_reason="abort"' in httpx.get(f"{url}/metrics").text
+
+
+def test_api_key_queue_bound_and_timeout(tiny_llama: Path) -> None:
+    engine = make_engine(tiny_llama, max_num_seqs=1, max_queue=1)
+    info = ServerInfo(name="tiny", version="1", api_key="sekret", request_timeout=1.0)
+    with BackgroundServer(engine, info) as url:
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
+        assert (
+            httpx.post(
+                f"{url}/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}
+            ).status_code
+            == 401
+        )
+        auth = {"Authorization": "Bearer sekret"}
+        assert httpx.get(f"{url}/v1/models", headers=auth).status_code == 200
+        engine.paused.set()  # hold work in the queue
+        request = {"prompt": "Once", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        with httpx.Client(timeout=30) as client:
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                queued = pool.submit(client.post, f"{url}/v1/completions", json=request, headers=auth)
+                deadline = time.monotonic() + 5
+                while engine.scheduler.num_waiting < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                busy = client.post(f"{url}/v1/completions", json=request, headers=auth)
+                assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+                assert busy.json()["error"]["type"] == "rate_limit_error"
+                time.sleep(1.1)  # past the 1 s request timeout while still queued
+                engine.paused.clear()
+                timed_out = queued.result()
+        assert timed_out.status_code == 504 and "timed out" in timed_out.json()["error"]["message"]
+        fine = httpx.post(f"{url}/v1/completions", json=request, headers=auth, timeout=30)
+        assert fine.status_code == 200
+    assert engine.pool.num_used == 0
+    assert "qpack_requests_rejected_total 1.0" in engine.metrics.render().decode()
