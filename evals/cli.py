@@ -637,9 +637,164 @@ def serve(
     serve_forever(engine, ServerInfo(loaded.name, loaded.version, api_key, request_timeout), host, port)
 
 
-@app.command(help="Speed, memory and load benchmarks against a baseline measured in the same run.")
-def bench(ctx: typer.Context) -> None:
-    _not_built(ctx, "bench")
+bench_app = typer.Typer(
+    help="Speed, memory and load benchmarks against a baseline measured in the same run.",
+    no_args_is_help=True,
+)
+app.add_typer(bench_app, name="bench")
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise QpackError(f"{option} must be comma-separated integers (got {text!r})") from None
+    if not values or any(v < 1 for v in values):
+        raise QpackError(f"{option} must list positive integers (got {text!r})")
+    return values
+
+
+@bench_app.command("decode", help="Prefill/decode tokens/s and peak RSS of an artifact vs FP32 HF generate.")
+def bench_decode(
+    ctx: typer.Context,
+    artifact: Path = typer.Argument(..., help="Artifact directory."),
+    reference: str | None = typer.Option(
+        None, "--reference", help="Reference model (default: the artifact's source)."
+    ),
+    batches: str = typer.Option("1,4,16,32", "--batches", help="Batch sizes."),
+    prompt_tokens: int = typer.Option(128, "--prompt-tokens", help="Prompt length."),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="Tokens generated per sequence."),
+    repeats: int = typer.Option(3, "--repeats", help="Alternating runs per batch size (median reported)."),
+    out_dir: Path | None = typer.Option(
+        None, "--out", help="Results folder (default bench-results/decode-TIME)."
+    ),
+) -> None:
+    from quantize.artifact import read_manifest
+    from serve.bench.decode import DecodeConfig, run_decode_bench
+    from serve.bench.report import decode_markdown, decode_plots, results_dir, write_results
+
+    out = _out(ctx)
+
+    def run() -> tuple[dict[str, Any], Path]:
+        read_manifest(artifact)
+        config = DecodeConfig(
+            artifact, reference, _ints(batches, "--batches"), prompt_tokens, new_tokens, repeats
+        )
+        result = run_decode_bench(config)
+        folder = results_dir(out_dir, "decode")
+        write_results(folder, result, decode_markdown(result), decode_plots(result, folder))
+        return result, folder
+
+    result, folder = _run(out, run)
+    table = Table(title=f"Decode: {result['artifact']['name']} vs FP32 HF generate", title_justify="left")
+    for column in (
+        "batch",
+        "prefill tok/s",
+        "FP32 prefill",
+        "decode tok/s",
+        "FP32 decode",
+        "ratio",
+        "RSS MB",
+        "FP32 RSS",
+    ):
+        table.add_column(column, justify="right")
+    for row in result["rows"]:
+        a, r = row["artifact"], row["reference"]
+        table.add_row(
+            str(row["batch"]),
+            f"{a['prefill_tokens_per_s']:.0f}",
+            f"{r['prefill_tokens_per_s']:.0f}",
+            f"{a['decode_tokens_per_s']:.1f}",
+            f"{r['decode_tokens_per_s']:.1f}",
+            f"{row['decode_ratio']:.2f}x",
+            f"{a['peak_rss_mb']:.0f}",
+            f"{r['peak_rss_mb']:.0f}",
+        )
+    bound = result["bound"]
+    rows = [
+        (
+            "memory bound",
+            f"{bound['artifact_bytes_per_token'] / 1e6:.0f} MB/token at {bound['bandwidth_gbs']:.1f} GB/s → {bound['ceiling_tokens_per_s']:.0f} tok/s ceiling",
+        ),
+        ("batch 1 vs ceiling", f"{100 * (bound['batch1_fraction_of_ceiling'] or 0):.0f}%"),
+        (
+            "batch-1 step",
+            ", ".join(f"{k} {v:.1f} ms" for k, v in result["profile_batch1"]["breakdown_ms"].items()),
+        ),
+        ("results", str(folder)),
+    ]
+    out.result({**result, "folder": str(folder)}, table, kv_table("Decode bound and profile", rows))
+
+
+@bench_app.command(
+    "serve", help="Replay ShareGPT traffic against qpack serve and a naive HF server, same run."
+)
+def bench_serve(
+    ctx: typer.Context,
+    artifact: Path | None = typer.Argument(None, help="Artifact to serve (omit with --url)."),
+    url: str | None = typer.Option(None, "--url", help="Benchmark an already running server instead."),
+    baseline: str = typer.Option(
+        "naive", "--baseline", help="naive (HF generate, one at a time, FP32) or none."
+    ),
+    baseline_model: str | None = typer.Option(None, "--baseline-model", help="Model for the naive baseline."),
+    concurrency: str = typer.Option("10,30,50", "--concurrency", help="Concurrency levels."),
+    rate: list[float] = typer.Option(
+        [], "--rate", help="Poisson arrival rates (req/s), instead of or besides levels."
+    ),
+    requests: int | None = typer.Option(None, "--requests", help="Requests per level (default: the level)."),
+    max_output_tokens: int = typer.Option(
+        128, "--max-output-tokens", help="Cap on output tokens per request."
+    ),
+    max_prompt_tokens: int = typer.Option(512, "--max-prompt-tokens", help="Skip longer prompts."),
+    max_seconds: float = typer.Option(900.0, "--max-seconds", help="Time limit per level and server."),
+    abort_fraction: float = typer.Option(
+        0.0, "--abort-fraction", help="Share of requests the client aborts mid-stream."
+    ),
+    kv_memory: str = typer.Option("512MB", "--kv-memory", help="KV pool of the qpack server."),
+    seed: int = typer.Option(0, "--seed", help="Request sampling seed."),
+    out_dir: Path | None = typer.Option(
+        None, "--out", help="Results folder (default bench-results/serve-TIME)."
+    ),
+) -> None:
+    from serve.bench.report import results_dir, serve_markdown, serve_plots, write_results
+    from serve.bench.serving import ServeBenchConfig, run_serve_bench
+
+    out = _out(ctx)
+
+    def run() -> tuple[dict[str, Any], Path]:
+        if baseline not in ("naive", "none"):
+            raise QpackError(f"--baseline must be naive or none (got {baseline!r})")
+        if artifact is None and url is None:
+            raise QpackError("give an artifact directory to serve, or --url of a running qpack server")
+        if url is not None and not url.startswith(("http://127.", "http://localhost", "http://[::1]")):
+            raise QpackError(
+                f"--url {url} is not a loopback address; the load generator only targets this machine"
+            )
+        config = ServeBenchConfig(
+            artifact=artifact,
+            url=url,
+            baseline=baseline,
+            baseline_model=baseline_model,
+            levels=_ints(concurrency, "--concurrency") if concurrency else (),
+            rates=tuple(rate),
+            requests_per_level=requests,
+            max_prompt_tokens=max_prompt_tokens,
+            max_output_tokens=max_output_tokens,
+            max_seconds=max_seconds,
+            abort_fraction=abort_fraction,
+            seed=seed,
+            kv_memory=kv_memory,
+        )
+        log = (lambda m: None) if out.quiet else (lambda m: out.stderr.print(m, highlight=False))
+        result = run_serve_bench(config, log)
+        folder = results_dir(out_dir, "serve")
+        write_results(folder, result, serve_markdown(result), serve_plots(result, folder))
+        return result, folder
+
+    result, folder = _run(out, run)
+    from rich.markdown import Markdown
+
+    out.result({**result, "folder": str(folder)}, Markdown(serve_markdown(result)), f"results: {folder}")
 
 
 @app.command(help="calibrate → quantize → evaluate with a gate, in one command for CI.")

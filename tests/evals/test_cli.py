@@ -3,7 +3,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from evals.cli import app
@@ -91,9 +90,3 @@ def test_quantize_and_inspect(tmp_path: Path, tiny_llama: Path, tiny_llama_calib
     assert bad.exit_code == 2 and "calibration directory" in bad.stderr
     again = runner.invoke(app, args)
     assert again.exit_code == 2 and "already exists" in again.stderr
-
-
-@pytest.mark.parametrize("command", ["bench"])
-def test_unbuilt_commands_say_so(command: str) -> None:
-    result = runner.invoke(app, [command])
-    assert result.exit_code == 2 and "not built yet" in result.stderr
