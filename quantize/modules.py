@@ -109,7 +109,10 @@ class Handler(ABC):
 
 
 class HalfLinear(QuantLinear):
-    """16-bit weights; on CPU the GEMM runs in bf16/fp16 only for single rows (decode), else upcast."""
+    """16-bit weights. On a CPU without bf16 instructions a 16-bit GEMM is slow beyond a couple of rows, so
+    decode rows (<= `half_max_rows`) multiply in 16 bit (half the bytes read) and larger batches upcast."""
+
+    half_max_rows: ClassVar[int] = 2
 
     def __init__(self, scheme: Scheme, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(scheme, weight.shape[1], weight.shape[0], bias)
@@ -117,9 +120,12 @@ class HalfLinear(QuantLinear):
         self.register_buffer("weight", weight, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return self._finish(F.linear(x.to(self.weight.dtype), self.weight), x)
-        return self._finish(F.linear(x.to(torch.float32), self.weight.to(torch.float32)), x)
+        x2 = x.reshape(-1, self.in_features)
+        if x.is_cuda or x2.shape[0] <= self.half_max_rows:
+            y = F.linear(x2.to(self.weight.dtype), self.weight).to(torch.float32)
+        else:
+            y = F.linear(x2.to(torch.float32), self.weight.to(torch.float32))
+        return self._finish(y, x).reshape(*x.shape[:-1], self.out_features)
 
 
 class _FloatHandler(Handler):
@@ -559,3 +565,60 @@ class BnbNF4Handler(Handler):
         if bias is not None:
             inner.bias = nn.Parameter(bias.to(device=device, dtype=torch.float32), requires_grad=False)
         return BnbLinear(scheme, inner, k, n)
+
+
+def _cat_bias(modules: list[nn.Module]) -> torch.Tensor | None:
+    biases = [getattr(m, "bias", None) for m in modules]
+    present = [b for b in biases if b is not None]
+    if not present:
+        return None
+    return torch.cat(
+        [
+            b.detach().to(torch.float32)
+            if b is not None
+            else torch.zeros(int(m.out_features), device=present[0].device)
+            for b, m in zip(biases, modules, strict=True)
+        ]
+    )
+
+
+def fuse_linears(modules: list[nn.Module]) -> nn.Module | None:
+    """One module computing the concatenated outputs of linears that share an input (q/k/v, gate/up).
+
+    Fewer, larger kernel calls per decode step; None when the modules are not all of one fusable kind.
+    """
+    kinds = {type(m) for m in modules}
+    if len(kinds) != 1 or len(modules) < 2:
+        return None
+    first = modules[0]
+    if len({int(m.in_features) for m in modules}) != 1:
+        return None
+    bias = _cat_bias(modules)
+    if isinstance(first, nn.Linear):
+        fused = nn.Linear(
+            first.in_features,
+            sum(m.out_features for m in modules),
+            bias=bias is not None,
+            device=first.weight.device,
+        )
+        fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in modules]), requires_grad=False)
+        if bias is not None:
+            fused.bias = nn.Parameter(bias, requires_grad=False)
+        return fused
+    if isinstance(first, Int8Linear):
+        qweight = torch.cat([m.qweight[:, : m.in_features] for m in modules])  # type: ignore[index]
+        return Int8Linear(first.scheme, qweight, torch.cat([m.scale for m in modules]), bias)  # type: ignore[misc]
+    if isinstance(first, Int4Linear):
+        if any(m.out_features % 16 for m in modules) or len({m.group_size for m in modules}) != 1:  # type: ignore[attr-defined]
+            return None
+        assert isinstance(first.scheme, Int4)
+        return Int4Linear(
+            first.scheme,
+            torch.cat([m.qweight for m in modules]),  # type: ignore[misc]
+            torch.cat([m.scale for m in modules]),  # type: ignore[misc]
+            torch.cat([m.zero_point for m in modules]),  # type: ignore[misc]
+            bias,
+        )
+    if isinstance(first, HalfLinear):
+        return HalfLinear(first.scheme, torch.cat([m.weight for m in modules]), bias)  # type: ignore[misc]
+    return None

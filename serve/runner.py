@@ -11,6 +11,10 @@ each sequence's context through its block table:
 - prefill chunks are attended per sequence with a causal mask offset by the tokens already cached, which is
   what makes chunked prefill and prefix-cache hits exact.
 Only the last position of sequences that sample this step goes through the final norm and LM head.
+
+Decode at small batch is dominated by per-op overhead and weight reads, so the layer loop is lean: q/k/v and
+gate/up projections that share an input are fused into one kernel call each (when they have the same scheme),
+and norms use the fused `rms_norm` op.
 """
 
 from __future__ import annotations
@@ -30,6 +34,43 @@ def kv_bytes_per_token(config: object, dtype: torch.dtype = torch.float32) -> in
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)  # type: ignore[attr-defined]
     layers = int(config.num_hidden_layers)  # type: ignore[attr-defined]
     return 2 * layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class _LayerPlan:
+    """A decoder layer's modules, with q/k/v and gate/up fused where their schemes allow."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        from quantize.modules import fuse_linears
+
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.qkv = fuse_linears([self.q, self.k, self.v])
+        self.split_qkv = [int(self.q.out_features), int(self.k.out_features), int(self.v.out_features)]
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.gate_up = fuse_linears([self.gate, self.up])
+        self.intermediate = int(self.gate.out_features)
+        self.act = mlp.act_fn
+
+    @staticmethod
+    def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        weight = module.weight  # type: ignore[union-attr]
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv is not None:
+            q, k, v = torch.split(self.qkv(x), self.split_qkv, dim=-1)
+            return q, k, v
+        return self.q(x), self.k(x), self.v(x)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = torch.split(self.gate_up(x), self.intermediate, dim=-1)
+        else:
+            gate, up = self.gate(x), self.up(x)
+        return self.down(self.act(gate) * up)
 
 
 @dataclass
@@ -74,6 +115,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_dtype = kv_dtype
         slots = num_blocks * block_size
+        self.plans = [_LayerPlan(layer) for layer in self.layers]
         self.k_cache = [
             torch.zeros(slots, self.num_kv_heads, self.head_dim, dtype=kv_dtype, device=self.device)
             for _ in self.layers
@@ -176,19 +218,21 @@ class ModelRunner:
         cos, sin = cos[0], sin[0]
         tokens = hidden.shape[0]
         slots = batch.slots.to(self.device)
-        for index, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            residual = hidden
-            x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-            q, k = self.apply_rope(q, k, cos, sin, unsqueeze_dim=1)
+        for index, plan in enumerate(self.plans):
+            q, k, v = plan.project_qkv(plan.norm(plan.input_norm, hidden))
+            q, k = self.apply_rope(
+                q.reshape(tokens, self.num_heads, self.head_dim),
+                k.reshape(tokens, self.num_kv_heads, self.head_dim),
+                cos,
+                sin,
+                unsqueeze_dim=1,
+            )
             self.k_cache[index].index_copy_(0, slots, k.to(self.kv_dtype))
-            self.v_cache[index].index_copy_(0, slots, v.to(self.kv_dtype))
-            hidden = residual + attn.o_proj(self._attention(index, q, batch))
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            self.v_cache[index].index_copy_(
+                0, slots, v.reshape(tokens, self.num_kv_heads, self.head_dim).to(self.kv_dtype)
+            )
+            hidden = hidden + plan.o(self._attention(index, q, batch))
+            hidden = hidden + plan.mlp(plan.norm(plan.post_norm, hidden))
         last = self.norm(hidden[batch.sample_rows.to(self.device)])
         return self.lm_head(last).to(torch.float32)
 
