@@ -24,6 +24,10 @@ setup: $(STAMP)
 demo: setup
 	mkdir -p $(OUT)
 	$(BIN)/qpack calibrate --output $(OUT)/calibration --overwrite
+	$(BIN)/qpack quantize --calibration $(OUT)/calibration --output $(OUT)/artifact --name smollm2-135m-mixed --overwrite
+	$(BIN)/qpack inspect $(OUT)/artifact
+	$(BIN)/qpack evaluate $(OUT)/artifact --limit 1 --shots 5 --max-kl 0.5
+	$(BIN)/python benchmarks/demo_serve.py $(OUT)/artifact
 
 lint: setup
 	$(BIN)/ruff check .
