@@ -20,7 +20,12 @@ def main() -> None:
     print(describe(engine))
     with BackgroundServer(engine, ServerInfo(loaded.name, loaded.version)) as url:
         print(f"serving {loaded.name} v{loaded.version} at {url}")
-        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 48, "temperature": 0, "stream": True}
+        body = {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 48,
+            "temperature": 0,
+            "stream": True,
+        }
         print("> What is the capital of France?\n< ", end="", flush=True)
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
             for line in response.iter_lines():

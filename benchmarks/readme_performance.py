@@ -22,7 +22,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 QPACK = [sys.executable, "-m", "evals.cli"]
-PRESETS = {"int8": ["--preset", "int8"], "int4": ["--preset", "int4", "--group-size", "64"], "mixed": ["--preset", "mixed"]}
+PRESETS = {
+    "int8": ["--preset", "int8"],
+    "int4": ["--preset", "int4", "--group-size", "64"],
+    "mixed": ["--preset", "mixed"],
+}
 
 
 def sh(command: list[str], log: Path) -> str:
@@ -78,7 +82,9 @@ print(json.dumps({{"tokens_per_s": best}}))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "perf")
     parser.add_argument("--mmlu", type=Path, default=None)
     parser.add_argument("--mmlu-limit", type=int, default=5)
@@ -97,32 +103,96 @@ def main() -> None:
         artifact = out / name
         if not (artifact / "manifest.json").is_file():
             started = time.perf_counter()
-            sh([*QPACK, "quantize", "-c", str(calibration), "-o", str(artifact), "--name", f"smollm2-135m-{name}", *flags], log)
+            sh(
+                [
+                    *QPACK,
+                    "quantize",
+                    "-c",
+                    str(calibration),
+                    "-o",
+                    str(artifact),
+                    "--name",
+                    f"smollm2-135m-{name}",
+                    *flags,
+                ],
+                log,
+            )
             elapsed = time.perf_counter() - started
         else:
             elapsed = None
         manifest = json.loads((artifact / "manifest.json").read_text())
-        quality[name] = {"quality": manifest["quality"], "size": manifest["size"], "summary": manifest["quantization"]["summary"], "seconds": elapsed, "timings": manifest["timings_s"]}
+        quality[name] = {
+            "quality": manifest["quality"],
+            "size": manifest["size"],
+            "summary": manifest["quantization"]["summary"],
+            "seconds": elapsed,
+            "timings": manifest["timings_s"],
+        }
     decode: dict[str, Any] = {}
     for name in PRESETS:
         folder = out / f"bench-decode-{name}"
-        sh([*QPACK, "--quiet", "bench", "decode", str(out / name), "--batches", "1,4,16,32", "--out", str(folder)], log)
+        sh(
+            [
+                *QPACK,
+                "--quiet",
+                "bench",
+                "decode",
+                str(out / name),
+                "--batches",
+                "1,4,16,32",
+                "--out",
+                str(folder),
+            ],
+            log,
+        )
         decode[name] = json.loads((folder / "results.json").read_text())
-    peers = {kind: {b: peer_decode(kind, b, 128, 64) for b in (1, 16)} for kind in ("torchao-int8wo", "bnb-int8")}
+    peers = {
+        kind: {b: peer_decode(kind, b, 128, 64) for b in (1, 16)} for kind in ("torchao-int8wo", "bnb-int8")
+    }
     serving = None
     if not args.skip_serve:
         folder = out / "bench-serve-int8"
-        sh([*QPACK, "--quiet", "bench", "serve", str(out / "int8"), "--concurrency", "10,16,30", "--out", str(folder)], log)
+        sh(
+            [
+                *QPACK,
+                "--quiet",
+                "bench",
+                "serve",
+                str(out / "int8"),
+                "--concurrency",
+                "10,16,30",
+                "--out",
+                str(folder),
+            ],
+            log,
+        )
         serving = json.loads((folder / "results.json").read_text())
     evals: dict[str, Any] = {}
     if not args.skip_eval:
         eval_out = out / "bench-eval"
-        command = [sys.executable, "benchmarks/evaluate_targets.py", "--artifacts", *(str(out / n) for n in PRESETS), "--limit", str(args.mmlu_limit), "--out", str(eval_out)]
+        command = [
+            sys.executable,
+            "benchmarks/evaluate_targets.py",
+            "--artifacts",
+            *(str(out / n) for n in PRESETS),
+            "--limit",
+            str(args.mmlu_limit),
+            "--out",
+            str(eval_out),
+        ]
         if args.mmlu:
             command += ["--mmlu", str(args.mmlu)]
         sh(command, log)
         evals = json.loads((eval_out / "results.json").read_text())
-    results = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "quality": quality, "decode": decode, "peers": peers, "serving": serving, "evals": evals}
+    results = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": platform.platform(),
+        "quality": quality,
+        "decode": decode,
+        "peers": peers,
+        "serving": serving,
+        "evals": evals,
+    }
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     markdown = render(results)
     (out / "performance.md").write_text(markdown)
@@ -155,26 +225,54 @@ def render(results: dict[str, Any]) -> str:
             f"| {name} | {q['summary']} | {q['size']['ratio_to_fp32']:.1%} | {q['size']['avg_bits_quantized']:.2f} | "
             f"{q['quality']['kl']:.4f} | {q['quality']['top1_agreement']:.1%} | {q['quality']['ppl']:.2f} ({q['quality']['ppl_reference']:.2f}) |"
         )
-    lines += ["", f"**Decode** (tokens/s, median of alternating runs; memory-bound ceiling at batch 1 for int8: "
-              f"{decode.get('int8', {}).get('bound', {}).get('ceiling_tokens_per_s', float('nan')):.0f} tok/s at "
-              f"{bound.get('bandwidth_gbs', float('nan')):.1f} GB/s):", "",
-              "| batch | FP32 HF generate | " + " | ".join(f"qpack {n}" for n in decode) + " | torchao int8wo | bnb int8 |",
-              "| --- | --- | " + " | ".join("---" for _ in decode) + " | --- | --- |"]
+    lines += [
+        "",
+        f"**Decode** (tokens/s, median of alternating runs; memory-bound ceiling at batch 1 for int8: "
+        f"{decode.get('int8', {}).get('bound', {}).get('ceiling_tokens_per_s', float('nan')):.0f} tok/s at "
+        f"{bound.get('bandwidth_gbs', float('nan')):.1f} GB/s):",
+        "",
+        "| batch | FP32 HF generate | "
+        + " | ".join(f"qpack {n}" for n in decode)
+        + " | torchao int8wo | bnb int8 |",
+        "| --- | --- | " + " | ".join("---" for _ in decode) + " | --- | --- |",
+    ]
     rows = next(iter(decode.values()))["rows"] if decode else []
     for index, row in enumerate(rows):
         batch = row["batch"]
-        cells = [f"{decode[n]['rows'][index]['artifact']['decode_tokens_per_s']:.1f} ({decode[n]['rows'][index]['decode_ratio']:.2f}x)" for n in decode]
-        peer = [f"{results['peers'][k].get(batch, float('nan')):.1f}" if batch in results["peers"][k] else "-" for k in ("torchao-int8wo", "bnb-int8")]
-        lines.append(f"| {batch} | {row['reference']['decode_tokens_per_s']:.1f} | " + " | ".join(cells) + " | " + " | ".join(peer) + " |")
+        cells = [
+            f"{decode[n]['rows'][index]['artifact']['decode_tokens_per_s']:.1f} ({decode[n]['rows'][index]['decode_ratio']:.2f}x)"
+            for n in decode
+        ]
+        peer = [
+            f"{results['peers'][k].get(batch, float('nan')):.1f}" if batch in results["peers"][k] else "-"
+            for k in ("torchao-int8wo", "bnb-int8")
+        ]
+        lines.append(
+            f"| {batch} | {row['reference']['decode_tokens_per_s']:.1f} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(peer)
+            + " |"
+        )
     serving = results.get("serving")
     if serving:
         from serve.bench.report import serve_markdown
 
-        lines += ["", "**Serving** (ShareGPT replay, chat endpoint, outputs up to 128 tokens):", "", serve_markdown(serving).split("\n", 2)[2]]
+        lines += [
+            "",
+            "**Serving** (ShareGPT replay, chat endpoint, outputs up to 128 tokens):",
+            "",
+            serve_markdown(serving).split("\n", 2)[2],
+        ]
     evals = results.get("evals")
     if evals:
-        lines += ["", f"**MMLU drift** (5-shot, {evals['questions']} questions = {evals['limit']} per subject; drift in points with paired-bootstrap 95% CI):", "",
-                  "| artifact | format | accuracy (FP32) | drift | flip rate | answer KL |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"**MMLU drift** (5-shot, {evals['questions']} questions = {evals['limit']} per subject; drift in points with paired-bootstrap 95% CI):",
+            "",
+            "| artifact | format | accuracy (FP32) | drift | flip rate | answer KL |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for artifact in evals["artifacts"].values():
             for fmt, r in artifact["formats"].items():
                 low, high = r["drift_ci95_points"]

@@ -47,9 +47,9 @@ def fp_state_dict(model: nn.Module, quantized: set[str]) -> dict[str, torch.Tens
     """Every persistent floating-point tensor not owned by a quantized linear, tied weights stored once."""
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}
+    prefixes = tuple(f"{fqn}." for fqn in quantized)
     for name, tensor in model.state_dict().items():
-        owner = name.rsplit(".", 1)[0]
-        if owner in quantized:
+        if name.startswith(prefixes):
             continue
         key = tensor.untyped_storage().data_ptr()
         if key in seen and tensor.numel() > 0:

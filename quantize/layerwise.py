@@ -12,8 +12,10 @@ boundary, so the result is exactly the per-query forward, with matmuls large eno
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -164,6 +166,60 @@ class LayerwiseModel:
 
     def forget_rope(self) -> None:
         self._rope.clear()
+
+
+def sample_sequences(
+    sequences: list[torch.Tensor], budget: int, seed: int, truncate: bool = False
+) -> list[torch.Tensor]:
+    """A seeded random subset of sequences totalling about `budget` tokens (the last one cut to fit if `truncate`)."""
+    order = list(range(len(sequences)))
+    random.Random(seed).shuffle(order)
+    chosen: list[torch.Tensor] = []
+    total = 0
+    for index in order:
+        if total >= budget:
+            break
+        sequence = sequences[index][: max(2, budget - total)] if truncate else sequences[index]
+        chosen.append(sequence)
+        total += len(sequence)
+    return chosen
+
+
+@torch.inference_mode()
+def input_hessians(
+    lw: LayerwiseModel,
+    index: int,
+    modules: dict[str, nn.Module],
+    hidden: list[torch.Tensor],
+    packs: list[Pack],
+) -> dict[str, torch.Tensor]:
+    """H = sum over tokens of w_t x_t x_t^T for the input x of each given module of block `index`.
+
+    Runs the block once per pack; modules reading the same input (q/k/v, gate/up) share one product, and each
+    position is weighted by how many original sequences it stands for (shared prefixes).
+    """
+    hessians: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {"x": None, "h": None, "weights": None}
+
+    def make_hook(name: str) -> Any:
+        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0]
+            if x is not state["x"]:
+                flat = x.reshape(-1, x.shape[-1]).to(torch.float32)
+                state["x"], state["h"] = x, (flat * state["weights"][:, None]).t() @ flat
+            hessians[name] = hessians[name] + state["h"] if name in hessians else state["h"].clone()
+
+        return hook
+
+    handles = [module.register_forward_pre_hook(make_hook(name)) for name, module in modules.items()]
+    try:
+        for h, pack in zip(hidden, packs, strict=True):
+            state["weights"] = pack.weights
+            lw.run_block(index, h, pack)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return hessians
 
 
 def iter_chunks(total: int, size: int) -> Iterator[slice]:

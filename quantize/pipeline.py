@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +25,14 @@ from quantize.artifact import save_artifact
 from quantize.calibdata import CalibrationData, ChannelStats
 from quantize.errors import QpackError
 from quantize.fileio import check_output_dir
-from quantize.layerwise import LayerwiseModel, Pack, make_packs, next_token_targets
+from quantize.layerwise import (
+    LayerwiseModel,
+    Pack,
+    input_hessians,
+    make_packs,
+    next_token_targets,
+    sample_sequences,
+)
 from quantize.models import ModelSource, load_model, resolve_model, weights_sha256
 from quantize.modules import handler_for
 from quantize.plan import EMBEDDING_NAMES, Plan, PlanRules, is_decoder_linear
@@ -168,18 +174,6 @@ def _algorithm_for(scheme: Scheme, requested: str) -> str:
     return default if default in scheme.algorithms else "rtn"
 
 
-def _sample_tokens(sequences: list[torch.Tensor], budget: int, seed: int) -> list[torch.Tensor]:
-    order = list(range(len(sequences)))
-    random.Random(seed).shuffle(order)
-    chosen, total = [], 0
-    for index in order:
-        if total >= budget:
-            break
-        chosen.append(sequences[index])
-        total += len(sequences[index])
-    return chosen
-
-
 def build_plan(
     config: QuantizeConfig,
     model: nn.Module,
@@ -292,36 +286,6 @@ def build_plan(
     return plan, table, candidates, info
 
 
-def _collect_hessians(
-    lw: LayerwiseModel,
-    model: nn.Module,
-    index: int,
-    heads: dict[str, str],
-    hidden: list[torch.Tensor],
-    packs: list[Pack],
-) -> dict[str, torch.Tensor]:
-    """H = X^T X of each input group's input (hooked on the group's first member) over the packs."""
-    hessians: dict[str, torch.Tensor] = {}
-    handles = []
-    current: dict[str, torch.Tensor] = {}
-    for group_name, fqn in heads.items():
-
-        def hook(_module: nn.Module, args: tuple[Any, ...], name: str = group_name) -> None:
-            x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float32)
-            h = (x * current["weights"][:, None]).t() @ x
-            hessians[name] = hessians[name] + h if name in hessians else h
-
-        handles.append(get_module(model, fqn).register_forward_pre_hook(hook))
-    try:
-        for h, pack in zip(hidden, packs, strict=True):
-            current["weights"] = pack.weights
-            lw.run_block(index, h, pack)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return hessians
-
-
 def _rms(stats: dict[str, ChannelStats], fqn: str, hessian: torch.Tensor | None, tokens: int) -> torch.Tensor:
     if fqn in stats:
         return stats[fqn].mean_sq.to(torch.float32).clamp_min(0).sqrt()
@@ -338,7 +302,7 @@ def quantize_layers(
 ) -> dict[str, QuantizedWeight]:
     """Block by block: fold AWQ/SmoothQuant scales, quantize with GPTQ/RTN, propagate through fake-quant weights."""
     lw = LayerwiseModel(model)
-    sequences = _sample_tokens(calibration.train, config.calib_tokens, config.seed)
+    sequences = sample_sequences(calibration.train, config.calib_tokens, config.seed)
     packs = make_packs(sequences, 512, share_prefix=True)
     num_tokens = int(sum(p.represented_tokens for p in packs))
     records: dict[str, QuantizedWeight] = {}
@@ -355,7 +319,13 @@ def quantize_layers(
             }
             needs = {plan.algorithms[m] for m in planned} & {"gptq", "awq", "smoothquant"}
             heads = {g.name: g.members[0] for g in block_groups}
-            hessians = _collect_hessians(lw, model, index, heads, hidden, packs) if needs else {}
+            hessians = (
+                input_hessians(
+                    lw, index, {g: get_module(model, fqn) for g, fqn in heads.items()}, hidden, packs
+                )
+                if needs
+                else {}
+            )
             smooth: dict[str, torch.Tensor] = {}
             info: dict[str, dict[str, Any]] = {}
             with torch.no_grad():
@@ -444,7 +414,7 @@ def quantize_layers(
 
 
 def _eval_packs(calibration: CalibrationData, tokens: int, seed: int) -> list[Pack]:
-    return make_packs(_sample_tokens(calibration.heldout, tokens, seed + 1), 512)
+    return make_packs(sample_sequences(calibration.heldout, tokens, seed + 1), 512)
 
 
 @torch.inference_mode()

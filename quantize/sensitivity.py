@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,15 @@ from quantize.algorithms import fake_quant, output_error
 from quantize.calibdata import SENSITIVITY_FILE
 from quantize.errors import QpackError
 from quantize.fileio import write_json
-from quantize.layerwise import LayerwiseModel, Pack, kl_to_reference, make_packs, reference_logits
+from quantize.layerwise import (
+    LayerwiseModel,
+    Pack,
+    input_hessians,
+    kl_to_reference,
+    make_packs,
+    reference_logits,
+    sample_sequences,
+)
 from quantize.modules import handler_for
 from quantize.plan import block_index
 from quantize.progress import NULL_PROGRESS, Progress
@@ -123,58 +130,11 @@ def to_measure(schemes: list[Scheme], in_features: int, out_features: int, metho
     return [min(schemes, key=lambda s: s.bits_per_weight(in_features, out_features))]
 
 
-def _select_tokens(sequences: list[torch.Tensor], num_tokens: int, seed: int) -> list[torch.Tensor]:
-    order = list(range(len(sequences)))
-    random.Random(seed).shuffle(order)
-    chosen: list[torch.Tensor] = []
-    total = 0
-    for index in order:
-        if total >= num_tokens:
-            break
-        sequence = sequences[index][: max(2, num_tokens - total)]
-        chosen.append(sequence)
-        total += len(sequence)
-    return chosen
-
-
 def _runtime(scheme: Scheme, linear: nn.Linear) -> nn.Module:
     handler = handler_for(scheme)
     tensors = handler.quantize(scheme, linear.weight.detach())
     bias = None if linear.bias is None else linear.bias.detach()
     return handler.build(scheme, tensors, bias, linear.weight.device)
-
-
-def _block_hessians(
-    lw: LayerwiseModel,
-    model: nn.Module,
-    index: int,
-    fqns: list[str],
-    inputs: list[torch.Tensor],
-    packs: list[Pack],
-) -> dict[str, torch.Tensor]:
-    """H = X^T X of each listed linear's input over the packs (inputs shared by q/k/v are computed once)."""
-    hessians: dict[str, torch.Tensor] = {}
-    last: dict[str, Any] = {"x": None, "h": None, "w": None}
-
-    def make_hook(name: str) -> Any:
-        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0]
-            if x is not last["x"]:
-                flat = x.reshape(-1, x.shape[-1]).to(torch.float32)
-                last["x"], last["h"] = x, (flat * last["w"][:, None]).t() @ flat
-            hessians[name] = hessians[name] + last["h"] if name in hessians else last["h"].clone()
-
-        return hook
-
-    handles = [get_module(model, fqn).register_forward_pre_hook(make_hook(fqn)) for fqn in fqns]
-    try:
-        for hidden, pack in zip(inputs, packs, strict=True):
-            last["w"] = pack.weights
-            lw.run_block(index, hidden, pack)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return hessians
 
 
 def _measure(
@@ -207,7 +167,9 @@ def _measure(
     ) as task:
         for index in blocks:
             fqns = [f for f in todo if block_index(f) == index]
-            hessians = _block_hessians(lw, model, index, fqns, block_inputs[index], packs)
+            hessians = input_hessians(
+                lw, index, {f: get_module(model, f) for f in fqns}, block_inputs[index], packs
+            )
             for fqn in fqns:
                 weight = get_module(model, fqn).weight.detach().to(torch.float32)  # type: ignore[union-attr]
                 signal = max(float(output_error(weight, hessians[fqn])), 1e-30)
@@ -306,7 +268,9 @@ def measure_sensitivity(
                 measure[fqn] = missing_kl
     if todo:
         packs = make_packs(
-            _select_tokens(heldout, config.num_tokens, config.seed), config.pack_tokens, share_prefix=True
+            sample_sequences(heldout, config.num_tokens, config.seed, truncate=True),
+            config.pack_tokens,
+            share_prefix=True,
         )
         _measure(model, todo, measure, packs, table, progress)
         _save_cache(calibration_dir, key, table)

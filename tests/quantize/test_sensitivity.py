@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from quantize.calibdata import CalibrationData
-from quantize.layerwise import LayerwiseModel, kl_to_reference, make_packs, reference_logits
+from quantize.layerwise import LayerwiseModel, kl_to_reference, make_packs, reference_logits, sample_sequences
 from quantize.models import load_model, resolve_model
 from quantize.schemes import BF16, Int4, Int8
-from quantize.sensitivity import SensitivityConfig, _runtime, _select_tokens, measure_sensitivity
+from quantize.sensitivity import SensitivityConfig, _runtime, measure_sensitivity
 
 LAYER = "model.layers.2.mlp.down_proj"
 OTHER = "model.layers.0.self_attn.v_proj"
@@ -29,7 +29,7 @@ def test_measured_kl_equals_full_model_kl(
     assert hits == 0
 
     # brute force: quantize the layer in a copy of the model and compare whole forwards
-    packs = make_packs(_select_tokens(data.heldout, 200, 0), 512, share_prefix=True)
+    packs = make_packs(sample_sequences(data.heldout, 200, 0, truncate=True), 512, share_prefix=True)
     quantized = copy.deepcopy(model)
     quantized.model.layers[0].self_attn.v_proj = _runtime(Int4(32), model.model.layers[0].self_attn.v_proj)
     ref_lw, q_lw = LayerwiseModel(model), LayerwiseModel(quantized)
