@@ -592,6 +592,9 @@ def serve(
     prefix_caching: bool = typer.Option(
         True, "--prefix-caching/--no-prefix-caching", help="Share cached prompt prefixes."
     ),
+    compile_decode: bool = typer.Option(
+        False, "--compile", help="torch.compile the decode step (1-2 min warm-up at start, faster decode)."
+    ),
 ) -> None:
     from serve.api import ServerInfo
     from serve.engine import EngineConfig
@@ -622,8 +625,13 @@ def serve(
         max_queue=max_queue,
         max_model_len=max_model_len,
         enable_prefix_caching=prefix_caching,
+        compile=compile_decode,
     )
     engine = _run(out, lambda: build_engine(loaded, config))
+    if compile_decode:
+        if not out.quiet:
+            out.stderr.print("compiling the decode step (torch.compile)...", highlight=False)
+        engine.warmup()
     if not out.quiet:
         out.stderr.print(
             f"[bold]qpack serve[/] {loaded.name} v{loaded.version} ({loaded.source})", highlight=False
@@ -665,6 +673,11 @@ def bench_decode(
     prompt_tokens: int = typer.Option(128, "--prompt-tokens", help="Prompt length."),
     new_tokens: int = typer.Option(64, "--new-tokens", help="Tokens generated per sequence."),
     repeats: int = typer.Option(3, "--repeats", help="Alternating runs per batch size (median reported)."),
+    compile_decode: bool = typer.Option(
+        False,
+        "--compile",
+        help="Run the artifact with its torch.compile'd decode step (as `serve --compile`).",
+    ),
     out_dir: Path | None = typer.Option(
         None, "--out", help="Results folder (default bench-results/decode-TIME)."
     ),
@@ -678,7 +691,13 @@ def bench_decode(
     def run() -> tuple[dict[str, Any], Path]:
         read_manifest(artifact)
         config = DecodeConfig(
-            artifact, reference, _ints(batches, "--batches"), prompt_tokens, new_tokens, repeats
+            artifact,
+            reference,
+            _ints(batches, "--batches"),
+            prompt_tokens,
+            new_tokens,
+            repeats,
+            compile=compile_decode,
         )
         result = run_decode_bench(config)
         folder = results_dir(out_dir, "decode")

@@ -586,6 +586,8 @@ def fuse_linears(modules: list[nn.Module]) -> nn.Module | None:
     """One module computing the concatenated outputs of linears that share an input (q/k/v, gate/up).
 
     Fewer, larger kernel calls per decode step; None when the modules are not all of one fusable kind.
+    The originals are re-pointed at row slices of the fused storage (where the layout is row-major), so fusing
+    costs no memory and the model's own modules still compute what they did.
     """
     kinds = {type(m) for m in modules}
     if len(kinds) != 1 or len(modules) < 2:
@@ -594,6 +596,7 @@ def fuse_linears(modules: list[nn.Module]) -> nn.Module | None:
     if len({int(m.in_features) for m in modules}) != 1:
         return None
     bias = _cat_bias(modules)
+    fused: nn.Module
     if isinstance(first, nn.Linear):
         fused = nn.Linear(
             first.in_features,
@@ -604,11 +607,10 @@ def fuse_linears(modules: list[nn.Module]) -> nn.Module | None:
         fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in modules]), requires_grad=False)
         if bias is not None:
             fused.bias = nn.Parameter(bias, requires_grad=False)
-        return fused
-    if isinstance(first, Int8Linear):
+    elif isinstance(first, Int8Linear):
         qweight = torch.cat([m.qweight[:, : m.in_features] for m in modules])  # type: ignore[index]
-        return Int8Linear(first.scheme, qweight, torch.cat([m.scale for m in modules]), bias)  # type: ignore[misc]
-    if isinstance(first, Int4Linear):
+        fused = Int8Linear(first.scheme, qweight, torch.cat([m.scale for m in modules]), bias)  # type: ignore[misc]
+    elif isinstance(first, Int4Linear):
         if any(m.out_features % 16 for m in modules) or len({m.group_size for m in modules}) != 1:  # type: ignore[attr-defined]
             return None
         assert isinstance(first.scheme, Int4)
@@ -619,6 +621,31 @@ def fuse_linears(modules: list[nn.Module]) -> nn.Module | None:
             torch.cat([m.zero_point for m in modules]),  # type: ignore[misc]
             bias,
         )
-    if isinstance(first, HalfLinear):
-        return HalfLinear(first.scheme, torch.cat([m.weight for m in modules]), bias)  # type: ignore[misc]
-    return None
+    elif isinstance(first, HalfLinear):
+        fused = HalfLinear(first.scheme, torch.cat([m.weight for m in modules]), bias)  # type: ignore[misc]
+    else:
+        return None
+    _share_rows(fused, modules)
+    return fused
+
+
+_ROW_TENSORS = ("weight", "qweight", "scale", "unit")
+
+
+def _share_rows(fused: nn.Module, modules: list[nn.Module]) -> None:
+    """Point each original module's row-major tensors at its rows of the fused module's tensors."""
+    start = 0
+    for module in modules:
+        end = start + int(module.out_features)  # type: ignore[arg-type]
+        for name in _ROW_TENSORS:
+            mine, theirs = getattr(module, name, None), getattr(fused, name, None)
+            if not isinstance(mine, torch.Tensor) or not isinstance(theirs, torch.Tensor):
+                continue
+            rows = theirs.detach()[start:end]
+            if rows.shape != mine.shape or rows.dtype != mine.dtype:
+                continue
+            if isinstance(mine, nn.Parameter):
+                setattr(module, name, nn.Parameter(rows, requires_grad=False))
+            else:
+                module._buffers[name] = rows
+        start = end

@@ -341,6 +341,10 @@ def create_app(engine: Engine, info: ServerInfo) -> FastAPI:
             return ApiError(
                 504, f"request timed out after {info.request_timeout} s", kind="timeout"
             ).response()
+        if final.finish_reason == "error":
+            return ApiError(
+                500, "the model step failed; see the server log", kind="server_error", code="engine_error"
+            ).response()
         choice: dict[str, Any]
         if chat:
             choice = {

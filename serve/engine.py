@@ -9,6 +9,7 @@ dropped when the step commits. `run()` loops on a background thread until told t
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -25,6 +26,8 @@ from serve.runner import ModelRunner, kv_bytes_per_token
 from serve.sampler import sample
 from serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serve.sequence import SamplingParams, Sequence
+
+_log = logging.getLogger("qpack.serve")
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -81,6 +84,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     device: str = "cpu"
+    compile: bool = False  # torch.compile the decode step (minutes of warm-up, fewer per-op overheads)
 
 
 @dataclass
@@ -149,7 +153,9 @@ class Engine:
             ),
             self.pool,
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.kv_dtype, device)
+        self.runner = ModelRunner(
+            model, num_blocks, config.block_size, config.kv_dtype, device, compile_decode=config.compile
+        )
         self.eos_ids = self._eos_ids()
         self.streams: dict[str, _Stream] = {}
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
@@ -319,10 +325,11 @@ class Engine:
             if scheduled.preempted:
                 self.metrics.preemptions.inc(len(scheduled.preempted))
             self._update_gauges()
+            batch = self.runner.prepare(scheduled.scheduled) if scheduled.scheduled else None
         self._deliver(outputs)
-        if not scheduled.scheduled:
+        if batch is None:
             return bool(outputs)
-        logits = self.runner.execute(scheduled.scheduled)
+        logits = self.runner.run(batch)
         sampling = self.runner.ordered(scheduled.scheduled)
         with self._lock:
             self.scheduler.commit(scheduled)
@@ -357,10 +364,39 @@ class Engine:
             if self.paused.is_set():
                 time.sleep(idle_wait)
                 continue
-            if not self.step():
+            try:
+                progressed = self.step()
+            except Exception as error:  # the loop must outlive one bad step: fail its requests, go on
+                _log.exception("engine step failed")
+                self._fail_all(f"{type(error).__name__}: {error}")
+                progressed = True
+            if not progressed:
                 with self._wake:
                     if not self.scheduler.has_work() and not stop.is_set():
                         self._wake.wait(timeout=idle_wait)
+
+    def warmup(self) -> None:
+        """Run one short request alone, then two together, before traffic arrives: a compiled decode step
+        builds its graphs (batch 1 and batch > 1) here instead of stalling the first users."""
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        for group in (["warmup-0"], ["warmup-1", "warmup-2"]):
+            for request_id in group:
+                self.add(request_id, [1, 2, 3, 4, 5], params, lambda _output: None)
+            while self.has_work():
+                self.step()
+
+    def _fail_all(self, message: str) -> None:
+        """Finish every request with finish_reason 'error' (their blocks are freed) after a failed step."""
+        with self._lock:
+            self.stats.extra["last_error"] = message
+            outputs = []
+            for request_id, stream in list(self.streams.items()):
+                self.streams.pop(request_id)
+                self.scheduler.finish(stream.seq, "error")
+                self.metrics.requests.labels(finish_reason="error").inc()
+                outputs.append(self._output(stream, "", [], True))
+            self._update_gauges()
+        self._deliver(outputs)
 
     def wake(self) -> None:
         with self._wake:

@@ -19,6 +19,8 @@ and norms use the fused `rms_norm` op.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,41 +38,62 @@ def kv_bytes_per_token(config: object, dtype: torch.dtype = torch.float32) -> in
     return 2 * layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
+class _Projection:
+    """Linears sharing one input, computed in as few kernel calls as their schemes allow: q/k/v is one call
+    when all three share a scheme, two when (say) v_proj was kept at 16 bit."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        from quantize.modules import fuse_linears
+
+        groups: list[list[nn.Module]] = []
+        for module in modules:
+            if groups and type(groups[-1][-1]) is type(module):
+                groups[-1].append(module)
+            else:
+                groups.append([module])
+        self.calls: list[nn.Module] = []
+        for group in groups:
+            fused = fuse_linears(group) if len(group) > 1 else None
+            self.calls.extend([fused] if fused is not None else group)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.calls) == 1:
+            return self.calls[0](x)
+        return torch.cat([call(x) for call in self.calls], dim=-1)
+
+
 class _LayerPlan:
     """A decoder layer's modules, with q/k/v and gate/up fused where their schemes allow."""
 
     def __init__(self, layer: nn.Module) -> None:
-        from quantize.modules import fuse_linears
-
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = layer.input_layernorm
         self.post_norm = layer.post_attention_layernorm
-        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-        self.qkv = fuse_linears([self.q, self.k, self.v])
-        self.split_qkv = [int(self.q.out_features), int(self.k.out_features), int(self.v.out_features)]
-        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        self.gate_up = fuse_linears([self.gate, self.up])
-        self.intermediate = int(self.gate.out_features)
+        self.input_eps = _eps(self.input_norm)
+        self.post_eps = _eps(self.post_norm)
+        self.qkv = _Projection([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o = attn.o_proj
+        self.gate_up = _Projection([mlp.gate_proj, mlp.up_proj])
+        self.intermediate = int(mlp.gate_proj.out_features)
+        self.down = mlp.down_proj
         self.act = mlp.act_fn
 
-    @staticmethod
-    def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        weight = module.weight  # type: ignore[union-attr]
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.qkv is not None:
-            q, k, v = torch.split(self.qkv(x), self.split_qkv, dim=-1)
-            return q, k, v
-        return self.q(x), self.k(x), self.v(x)
-
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
-            gate, up = torch.split(self.gate_up(x), self.intermediate, dim=-1)
-        else:
-            gate, up = self.gate(x), self.up(x)
+        gate, up = torch.split(self.gate_up(x), self.intermediate, dim=-1)
         return self.down(self.act(gate) * up)
+
+
+def _eps(norm: nn.Module) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 @dataclass
@@ -93,13 +116,11 @@ class ModelRunner:
         block_size: int,
         kv_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        compile_decode: bool = False,
     ) -> None:
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         config = model.config  # type: ignore[attr-defined]
         self.model = model
         self.device = torch.device(device)
-        self.apply_rope = apply_rotary_pos_emb
         self.embed = model.model.embed_tokens  # type: ignore[union-attr]
         self.layers = list(model.model.layers)  # type: ignore[union-attr]
         self.norm = model.model.norm  # type: ignore[union-attr]
@@ -116,6 +137,12 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         slots = num_blocks * block_size
         self.plans = [_LayerPlan(layer) for layer in self.layers]
+        self.final_eps = _eps(self.norm)
+        if self.device.type == "cpu":
+            _head_k_major(self.lm_head)
+        self._decode_fn: Callable[..., torch.Tensor] | None = None
+        if compile_decode:
+            self._decode_fn = torch.compile(self._decode_forward, dynamic=True)
         self.k_cache = [
             torch.zeros(slots, self.num_kv_heads, self.head_dim, dtype=kv_dtype, device=self.device)
             for _ in self.layers
@@ -181,63 +208,167 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
         )
 
-    def _attention(self, index: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def _attention(
+        self,
+        index: int,
+        q: torch.Tensor,
+        num_decode: int,
+        decode_slots: torch.Tensor,
+        decode_mask: torch.Tensor,
+        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         # q: [T, heads, d] -> [T, heads * d]
         k_cache, v_cache = self.k_cache[index], self.v_cache[index]
-        out = torch.empty_like(q)
-        d = batch.num_decode
-        if d:
-            keys = k_cache[batch.decode_slots].transpose(1, 2).to(q.dtype)  # [D, kv, L, d]
-            values = v_cache[batch.decode_slots].transpose(1, 2).to(q.dtype)
+        parts: list[torch.Tensor] = []
+        if num_decode:
+            rows, width = decode_slots.shape
+            flat = decode_slots.reshape(-1)
+            keys = k_cache.index_select(0, flat).view(rows, width, self.num_kv_heads, self.head_dim)
+            values = v_cache.index_select(0, flat).view(rows, width, self.num_kv_heads, self.head_dim)
+            if keys.dtype != q.dtype:
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             attended = F.scaled_dot_product_attention(
-                q[:d].unsqueeze(2),
-                keys,
-                values,
-                attn_mask=batch.decode_mask,
+                q[:num_decode].unsqueeze(2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=decode_mask,
                 scale=self.scale,
                 enable_gqa=True,
             )  # [D, heads, 1, d]
-            out[:d] = attended[:, :, 0, :]
-        for start, end, slots, mask in batch.prefills:
-            keys = k_cache[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, kv, ctx, d]
-            values = v_cache[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            parts.append(attended.reshape(num_decode, -1))
+        for start, end, slots, mask in prefills:
+            keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, kv, ctx, d]
+            values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            if keys.dtype != q.dtype:
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             query = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
             attended = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
             )
-            out[start:end] = attended[0].transpose(0, 1)
-        return out.reshape(q.shape[0], -1)
+            parts.append(attended[0].transpose(0, 1).reshape(end - start, -1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    @torch.inference_mode()
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        num_decode: int,
+        decode_slots: torch.Tensor,
+        decode_mask: torch.Tensor,
+        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+        sample_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        hidden = self.embed(input_ids)  # [T, H]
+        cos, sin = self.rotary(hidden[None], positions[None])
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, d]
+        tokens = hidden.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        rotated = heads + kv_heads
+        for index, plan in enumerate(self.plans):
+            qkv = plan.qkv(_rms_norm(hidden, plan.input_norm.weight, plan.input_eps))
+            qk = qkv[:, : rotated * head_dim].reshape(tokens, rotated, head_dim)
+            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads in one pass
+            k = qk[:, heads:]
+            v = qkv[:, rotated * head_dim :].reshape(tokens, kv_heads, head_dim)
+            if k.dtype != self.kv_dtype:
+                k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
+            self.k_cache[index].index_copy_(0, slots, k)
+            self.v_cache[index].index_copy_(0, slots, v)
+            attended = self._attention(index, qk[:, :heads], num_decode, decode_slots, decode_mask, prefills)
+            hidden = hidden + plan.o(attended)
+            hidden = hidden + plan.mlp(_rms_norm(hidden, plan.post_norm.weight, plan.post_eps))
+        last = _rms_norm(hidden.index_select(0, sample_rows), self.norm.weight, self.final_eps)
+        return self.lm_head(last)
+
+    def _decode_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        decode_slots: torch.Tensor,
+        decode_mask: torch.Tensor,
+        sample_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._forward(
+            input_ids,
+            positions,
+            slots,
+            int(decode_slots.shape[0]),
+            decode_slots,
+            decode_mask,
+            [],
+            sample_rows,
+        )
+
     def execute(self, items: list[Scheduled]) -> torch.Tensor:
         """Run one scheduled step; returns logits [S, vocab] for the items that sample, in schedule order
         (decodes first, then prefills)."""
-        batch = self.prepare(items)
-        hidden = self.embed(batch.input_ids.to(self.device))  # [T, H]
-        cos, sin = self.rotary(hidden[None], batch.positions.to(self.device)[None])
-        cos, sin = cos[0], sin[0]
-        tokens = hidden.shape[0]
-        slots = batch.slots.to(self.device)
-        for index, plan in enumerate(self.plans):
-            q, k, v = plan.project_qkv(plan.norm(plan.input_norm, hidden))
-            q, k = self.apply_rope(
-                q.reshape(tokens, self.num_heads, self.head_dim),
-                k.reshape(tokens, self.num_kv_heads, self.head_dim),
-                cos,
-                sin,
-                unsqueeze_dim=1,
-            )
-            self.k_cache[index].index_copy_(0, slots, k.to(self.kv_dtype))
-            self.v_cache[index].index_copy_(
-                0, slots, v.reshape(tokens, self.num_kv_heads, self.head_dim).to(self.kv_dtype)
-            )
-            hidden = hidden + plan.o(self._attention(index, q, batch))
-            hidden = hidden + plan.mlp(plan.norm(plan.post_norm, hidden))
-        last = self.norm(hidden[batch.sample_rows.to(self.device)])
-        return self.lm_head(last).to(torch.float32)
+        return self.run(self.prepare(items))
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Run a prepared step. `prepare` reads the sequences' block tables, so the engine calls it under its
+        lock (a concurrent abort frees blocks); `run` only touches tensors and can run without it."""
+        device = self.device
+        if device.type != "cpu":
+            batch = _to_device(batch, device)
+        if self._decode_fn is not None and not batch.prefills:
+            try:
+                logits = self._decode_fn(
+                    batch.input_ids,
+                    batch.positions,
+                    batch.slots,
+                    batch.decode_slots,
+                    batch.decode_mask,
+                    batch.sample_rows,
+                )
+                return logits.to(torch.float32)
+            except Exception as error:  # a compiler failure must not take serving down
+                warnings.warn(
+                    f"torch.compile of the decode step failed, decoding eagerly: {error}", stacklevel=2
+                )
+                self._decode_fn = None
+        logits = self._forward(
+            batch.input_ids,
+            batch.positions,
+            batch.slots,
+            batch.num_decode,
+            batch.decode_slots,
+            batch.decode_mask,
+            batch.prefills,
+            batch.sample_rows,
+        )
+        return logits.to(torch.float32)
 
     def ordered(self, items: list[Scheduled]) -> list[Scheduled]:
         """The items that sample, in the order `execute` returns their logits."""
         return [i for i in items if i.num_new == 1 and i.samples] + [
             i for i in items if i.num_new > 1 and i.samples
         ]
+
+
+def _to_device(batch: StepBatch, device: torch.device) -> StepBatch:
+    return StepBatch(
+        input_ids=batch.input_ids.to(device),
+        positions=batch.positions.to(device),
+        slots=batch.slots.to(device),
+        num_decode=batch.num_decode,
+        decode_slots=batch.decode_slots.to(device),
+        decode_mask=batch.decode_mask.to(device),
+        prefills=[(a, b, slots.to(device), mask.to(device)) for a, b, slots, mask in batch.prefills],
+        sample_rows=batch.sample_rows.to(device),
+    )
+
+
+def _head_k_major(lm_head: nn.Module) -> None:
+    """Lay the FP32 LM head out K-major ([hidden, vocab] in memory, the same [vocab, hidden] tensor to torch):
+    a one-row GEMV over a row-major [49152, 576] weight reads it at about half the bandwidth on CPU BLAS. The
+    change is in place and costs no memory; a tied input embedding shares the parameter and keeps working."""
+    weight = getattr(lm_head, "weight", None)
+    if not isinstance(lm_head, nn.Linear) or not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+        return
+    if weight.stride() == (1, weight.shape[0]):
+        return
+    with torch.no_grad():
+        weight.data = weight.data.t().contiguous().t()

@@ -36,6 +36,7 @@ class DecodeConfig:
     new_tokens: int = 64
     repeats: int = 3
     seed: int = 0
+    compile: bool = False
 
 
 class _PeakRss:
@@ -86,7 +87,7 @@ def _random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list
 
 
 class _Artifact:
-    def __init__(self, path: str, max_batch: int, max_len: int) -> None:
+    def __init__(self, path: str, max_batch: int, max_len: int, compile_decode: bool = False) -> None:
         from quantize.artifact import load_artifact
         from quantize.models import load_tokenizer
         from serve.engine import Engine, EngineConfig
@@ -103,8 +104,12 @@ class _Artifact:
             max_num_seqs=max_batch,
             max_num_batched_tokens=2048,
             enable_prefix_caching=False,
+            compile=compile_decode,
         )
         self.engine = Engine(self.model, load_tokenizer(path), config)
+        if compile_decode:
+            self.engine.warmup()
+        self.name += " (compiled)" if compile_decode else ""
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
         from serve.sequence import SamplingParams
@@ -221,7 +226,7 @@ def worker_main() -> None:
     spec = json.loads(sys.stdin.readline())
     rss = _PeakRss()
     side: Any = (
-        _Artifact(spec["target"], spec["max_batch"], spec["max_len"])
+        _Artifact(spec["target"], spec["max_batch"], spec["max_len"], bool(spec.get("compile")))
         if spec["kind"] == "artifact"
         else _Reference(spec["target"])
     )
@@ -252,14 +257,24 @@ def worker_main() -> None:
 
 
 class Worker:
-    def __init__(self, kind: str, target: str, max_batch: int, max_len: int) -> None:
+    def __init__(
+        self, kind: str, target: str, max_batch: int, max_len: int, compile_decode: bool = False
+    ) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from serve.bench.decode import worker_main; worker_main()"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
-        self.info = self.call({"kind": kind, "target": target, "max_batch": max_batch, "max_len": max_len})
+        self.info = self.call(
+            {
+                "kind": kind,
+                "target": target,
+                "max_batch": max_batch,
+                "max_len": max_len,
+                "compile": compile_decode,
+            }
+        )
 
     def call(self, command: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None and self.process.stdout is not None
@@ -286,7 +301,7 @@ def run_decode_bench(config: DecodeConfig, progress: Any = None) -> dict[str, An
     reference = config.reference or manifest["source"]["model_id"]
     max_len = config.prompt_tokens + config.new_tokens
     bandwidth = memory_bandwidth_gbs()
-    artifact = Worker("artifact", str(config.artifact), max(config.batches), max_len)
+    artifact = Worker("artifact", str(config.artifact), max(config.batches), max_len, config.compile)
     baseline = Worker("reference", reference, max(config.batches), max_len)
     runs: dict[str, dict[int, list[dict[str, float]]]] = {"artifact": {}, "reference": {}}
     try:

@@ -120,9 +120,17 @@ def test_fused_projection_equals_separate_ones(scheme: Scheme | None) -> None:
         else:
             handler = handler_for(scheme)
             modules.append(handler.build(scheme, handler.quantize(scheme, weight), bias, torch.device("cpu")))
+    probe = torch.randn(7, 96)
+    before = [m(probe) for m in modules]
     fused = fuse_linears(modules)
     assert fused is not None
     for rows in (1, 5, 300):
         x = torch.randn(rows, 96)
         torch.testing.assert_close(fused(x), torch.cat([m(x) for m in modules], dim=-1), rtol=1e-5, atol=1e-5)
+    for module, expected in zip(modules, before, strict=True):
+        torch.testing.assert_close(module(probe), expected)
+    if not isinstance(scheme, Int4):
+        name = "qweight" if isinstance(scheme, Int8) else "weight"
+        fused_storage = getattr(fused, name).untyped_storage().data_ptr()
+        assert all(getattr(m, name).untyped_storage().data_ptr() == fused_storage for m in modules)
     assert fuse_linears([modules[0]]) is None

@@ -90,3 +90,61 @@ def test_seeded_sampling_is_batch_independent(model_and_tokenizer) -> None:
     assert alone == crowd and len(alone) == 8
     other = run(Engine(model, tokenizer, config), [PROMPTS[0]], params.replace(seed=8))["r0"]
     assert other != alone
+
+
+def test_compiled_decode_matches_eager(tiny_llama) -> None:
+    source = resolve_model(str(tiny_llama))
+    model, tokenizer = load_model(source), load_tokenizer(source)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = [hf_greedy(model, p, 6) for p in PROMPTS[:3]]
+    config = EngineConfig(block_size=4, kv_memory="8MB", compile=True)
+    engine = Engine(model, tokenizer, config)
+    engine.warmup()
+    outputs = run(engine, PROMPTS[:3], params)
+    assert [outputs[f"r{i}"] for i in range(3)] == expected
+    assert engine.runner._decode_fn is not None  # still compiled: no fallback to eager happened
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(tiny_llama) -> None:
+    import threading
+
+    source = resolve_model(str(tiny_llama))
+    engine = Engine(load_model(source), load_tokenizer(source), EngineConfig(block_size=4, kv_memory="8MB"))
+    real_run = engine.runner.run
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected kernel failure")
+        return real_run(batch)
+
+    engine.runner.run = flaky  # type: ignore[method-assign]
+    finished: dict[str, RequestOutput] = {}
+    done = threading.Event()
+
+    def collect(output: RequestOutput) -> None:
+        if output.finished:
+            finished[output.request_id] = output
+            if len(finished) == 2:
+                done.set()
+
+    stop = threading.Event()
+    loop = threading.Thread(target=engine.run, args=(stop,), daemon=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add("first", PROMPTS[0], params, collect)
+    loop.start()
+    try:
+        for _ in range(200):
+            if "first" in finished:
+                break
+            threading.Event().wait(0.05)
+        engine.add("second", PROMPTS[1], params, collect)
+        assert done.wait(30)
+    finally:
+        stop.set()
+        loop.join(10)
+    assert finished["first"].finish_reason == "error"
+    assert finished["second"].finish_reason == "length" and finished["second"].completion_tokens == 4
+    assert "injected kernel failure" in engine.stats.extra["last_error"]
+    assert engine.pool.num_free == engine.pool.num_blocks
