@@ -88,6 +88,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "perf")
     parser.add_argument("--mmlu", type=Path, default=None)
     parser.add_argument("--mmlu-limit", type=int, default=5)
+    parser.add_argument("--decode-batches", default="1,4,16,32")
+    parser.add_argument("--decode-repeats", type=int, default=3)
+    parser.add_argument("--serve-levels", default="10,30,50")
     parser.add_argument("--skip-serve", action="store_true")
     parser.add_argument("--skip-eval", action="store_true")
     parser.add_argument("--update-readme", action="store_true")
@@ -139,7 +142,9 @@ def main() -> None:
                 "decode",
                 str(out / name),
                 "--batches",
-                "1,4,16,32",
+                args.decode_batches,
+                "--repeats",
+                str(args.decode_repeats),
                 "--out",
                 str(folder),
             ],
@@ -160,7 +165,7 @@ def main() -> None:
                 "serve",
                 str(out / "int8"),
                 "--concurrency",
-                "10,16,30",
+                args.serve_levels,
                 "--out",
                 str(folder),
             ],

@@ -38,3 +38,16 @@ def release_freed_memory(threshold_bytes: int = 1 << 20) -> bool:
         return False
     _applied = ok
     return ok
+
+
+def trim_heap() -> bool:
+    """Hand free heap pages back to the OS now (glibc `malloc_trim`), so the next RSS reading is honest."""
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        return bool(ctypes.CDLL(name).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -138,8 +138,6 @@ class ModelRunner:
         slots = num_blocks * block_size
         self.plans = [_LayerPlan(layer) for layer in self.layers]
         self.final_eps = _eps(self.norm)
-        if self.device.type == "cpu":
-            _head_k_major(self.lm_head)
         self._decode_fn: Callable[..., torch.Tensor] | None = None
         if compile_decode:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=True)
@@ -279,7 +277,17 @@ class ModelRunner:
             hidden = hidden + plan.o(attended)
             hidden = hidden + plan.mlp(_rms_norm(hidden, plan.post_norm.weight, plan.post_eps))
         last = _rms_norm(hidden.index_select(0, sample_rows), self.norm.weight, self.final_eps)
-        return self.lm_head(last)
+        return self._head(last)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """The FP32 LM head. For several rows on CPU, [vocab, H] @ [H, rows] runs 2-5x faster than the
+        [rows, H] @ [H, vocab] that `F.linear` issues (measured on this project's 2-core reference machine);
+        one row stays a GEMV."""
+        head = self.lm_head
+        if x.shape[0] < 2 or x.device.type != "cpu" or type(head) is not nn.Linear:
+            return head(x)
+        logits = torch.mm(head.weight, x.t()).t()
+        return logits + head.bias if head.bias is not None else logits
 
     def _decode_forward(
         self,
@@ -359,16 +367,3 @@ def _to_device(batch: StepBatch, device: torch.device) -> StepBatch:
         prefills=[(a, b, slots.to(device), mask.to(device)) for a, b, slots, mask in batch.prefills],
         sample_rows=batch.sample_rows.to(device),
     )
-
-
-def _head_k_major(lm_head: nn.Module) -> None:
-    """Lay the FP32 LM head out K-major ([hidden, vocab] in memory, the same [vocab, hidden] tensor to torch):
-    a one-row GEMV over a row-major [49152, 576] weight reads it at about half the bandwidth on CPU BLAS. The
-    change is in place and costs no memory; a tied input embedding shares the parameter and keeps working."""
-    weight = getattr(lm_head, "weight", None)
-    if not isinstance(lm_head, nn.Linear) or not isinstance(weight, nn.Parameter) or weight.dim() != 2:
-        return
-    if weight.stride() == (1, weight.shape[0]):
-        return
-    with torch.no_grad():
-        weight.data = weight.data.t().contiguous().t()

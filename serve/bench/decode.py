@@ -13,6 +13,7 @@ batch-1 decode step (kernels, LM head, attention, everything else) that says whe
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import subprocess
@@ -52,6 +53,10 @@ class _PeakRss:
     def _watch(self) -> None:
         while not self._stop.wait(0.02):
             self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def reset(self) -> None:
+        """Start a new peak window at the current RSS (each measured run reports its own peak)."""
+        self.peak = self.process.memory_info().rss
 
     def close(self) -> int:
         self._stop.set()
@@ -220,7 +225,7 @@ class _Reference:
 
 def worker_main() -> None:
     """Worker loop: one JSON command per stdin line, one JSON result per stdout line."""
-    from quantize.memory import release_freed_memory
+    from quantize.memory import release_freed_memory, trim_heap
 
     release_freed_memory()
     spec = json.loads(sys.stdin.readline())
@@ -250,6 +255,9 @@ def worker_main() -> None:
             print(json.dumps(side.profile(command["new_tokens"], vocab)), flush=True)
             continue
         prompts = _random_prompts(command["batch"], command["prompt_tokens"], vocab, command["seed"])
+        gc.collect()
+        trim_heap()
+        rss.reset()
         result = side.run(prompts, command["new_tokens"])
         result["peak_rss_bytes"] = rss.peak
         print(json.dumps(result), flush=True)
