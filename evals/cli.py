@@ -883,7 +883,9 @@ def build(
 def main() -> None:
     from quantize.memory import release_freed_memory
 
-    release_freed_memory()
+    command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
+    if command != "serve":  # a server reuses same-size buffers every step: see quantize/memory.py
+        release_freed_memory()
     try:
         app()
     except SystemExit:

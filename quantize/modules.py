@@ -23,6 +23,7 @@ kernels must match it within stated tolerances (tests/quantize/test_modules.py).
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -124,7 +125,9 @@ class HalfLinear(QuantLinear):
         if x.is_cuda or x2.shape[0] <= self.half_max_rows:
             y = F.linear(x2.to(self.weight.dtype), self.weight).to(torch.float32)
         else:
-            y = F.linear(x2.to(torch.float32), self.weight.to(torch.float32))
+            y = F.linear(
+                x2.to(torch.float32), _scratch(self.weight.shape, self.weight.device).copy_(self.weight)
+            )
         return self._finish(y, x).reshape(*x.shape[:-1], self.out_features)
 
 
@@ -175,6 +178,22 @@ class FP16Handler(_FloatHandler):
 _INT8_K_MULTIPLE = 8  # aten._weight_int8pack_mm on CPU reads K in vectors of 8 (K=172 crashes it)
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """A per-thread float32 buffer reused for the dense (prefill) path's dequantized weight: one allocation for
+    the process instead of a fresh multi-MB tensor per layer per call."""
+    numel = int(shape[0]) * int(shape[1])
+    buffers: dict[torch.device, torch.Tensor] = getattr(_SCRATCH, "buffers", None) or {}
+    _SCRATCH.buffers = buffers
+    buffer = buffers.get(device)
+    if buffer is None or buffer.numel() < numel:
+        buffer = torch.empty(numel, dtype=torch.float32, device=device)
+        buffers[device] = buffer
+    return buffer[:numel].view(int(shape[0]), int(shape[1]))
+
+
 def _pad_k(qweight: torch.Tensor) -> torch.Tensor:
     pad = (-qweight.shape[1]) % _INT8_K_MULTIPLE
     return F.pad(qweight, (0, pad)).contiguous() if pad else qweight.contiguous()
@@ -208,7 +227,8 @@ class Int8Linear(QuantLinear):
         if x.is_cuda:
             y = _cuda_int8_mm(x2, qweight, self.scale)
         elif x2.shape[0] >= self.dense_min_rows:
-            y = F.linear(x2.to(torch.float32), P.dequantize_int8(qweight, self.scale))
+            weight = _scratch(qweight.shape, qweight.device).copy_(qweight).mul_(self.scale[:, None])
+            y = F.linear(x2.to(torch.float32), weight)
         else:
             y = _int8_kernel(x2, self.qweight, self.unit) * self.scale
         return self._finish(y, x).reshape(*x.shape[:-1], self.out_features)

@@ -225,9 +225,8 @@ class _Reference:
 
 def worker_main() -> None:
     """Worker loop: one JSON command per stdin line, one JSON result per stdout line."""
-    from quantize.memory import release_freed_memory, trim_heap
+    from quantize.memory import trim_heap
 
-    release_freed_memory()
     spec = json.loads(sys.stdin.readline())
     rss = _PeakRss()
     side: Any = (

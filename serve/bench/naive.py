@@ -135,7 +135,6 @@ def create_naive_app(model: torch.nn.Module, tokenizer: Any, name: str) -> FastA
 def main() -> None:
     import uvicorn
 
-    from quantize.memory import release_freed_memory
     from quantize.models import load_model, load_tokenizer, resolve_model
 
     parser = argparse.ArgumentParser(
@@ -145,7 +144,6 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
     args = parser.parse_args()
-    release_freed_memory()
     source = resolve_model(args.model)
     model, tokenizer = load_model(source), load_tokenizer(source)
     uvicorn.run(
