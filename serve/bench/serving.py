@@ -135,7 +135,8 @@ class MetricsWatcher:
     def __init__(self, url: str) -> None:
         self.url = url
         self.peak_usage = 0.0
-        self.peak_waste = 0.0
+        self.peak_waste = 0.0  # waste ratio when the most blocks were in use (the "at peak")
+        self.max_waste = 0.0  # worst instantaneous ratio (a lone short sequence can show 50%)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -156,9 +157,12 @@ class MetricsWatcher:
                 except httpx.HTTPError:
                     continue
                 total = values.get("qpack_kv_blocks_total", 0.0)
+                waste = values.get("qpack_kv_waste_ratio", 0.0)
                 if total:
-                    self.peak_usage = max(self.peak_usage, values.get("qpack_kv_blocks_used", 0.0) / total)
-                self.peak_waste = max(self.peak_waste, values.get("qpack_kv_waste_ratio", 0.0))
+                    usage = values.get("qpack_kv_blocks_used", 0.0) / total
+                    if usage >= self.peak_usage:
+                        self.peak_usage, self.peak_waste = usage, waste
+                self.max_waste = max(self.max_waste, waste)
 
     def __enter__(self) -> MetricsWatcher:
         self._thread.start()
@@ -269,6 +273,7 @@ def run_serve_bench(config: ServeBenchConfig, log: Any = print) -> dict[str, Any
                 if watcher:
                     summary["peak_kv_usage"] = watcher.peak_usage
                     summary["peak_kv_waste"] = watcher.peak_waste
+                    summary["max_kv_waste"] = watcher.max_waste
                 entry[side] = summary
                 log(
                     f"{label} {side}: {summary['requests_per_s']:.2f} req/s, {summary['output_tokens_per_s']:.1f} tok/s, "
