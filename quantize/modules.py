@@ -183,7 +183,10 @@ _SCRATCH = threading.local()
 
 def _scratch(shape: torch.Size, device: torch.device) -> torch.Tensor:
     """A per-thread float32 buffer reused for the dense (prefill) path's dequantized weight: one allocation for
-    the process instead of a fresh multi-MB tensor per layer per call."""
+    the process instead of a fresh multi-MB tensor per layer per call. Only under inference mode (serving,
+    evaluation): there the buffer is never saved for backward, and it stays an inference tensor."""
+    if not torch.is_inference_mode_enabled():
+        return torch.empty(int(shape[0]), int(shape[1]), dtype=torch.float32, device=device)
     numel = int(shape[0]) * int(shape[1])
     buffers: dict[torch.device, torch.Tensor] = getattr(_SCRATCH, "buffers", None) or {}
     _SCRATCH.buffers = buffers
