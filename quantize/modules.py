@@ -230,7 +230,7 @@ class Int8Linear(QuantLinear):
         if x.is_cuda:
             y = _cuda_int8_mm(x2, qweight, self.scale)
         elif x2.shape[0] >= self.dense_min_rows:
-            weight = _scratch(qweight.shape, qweight.device).copy_(qweight).mul_(self.scale[:, None])
+            weight = P.dequantize_int8(qweight, self.scale, out=_scratch(qweight.shape, qweight.device))
             y = F.linear(x2.to(torch.float32), weight)
         else:
             y = _int8_kernel(x2, self.qweight, self.unit) * self.scale

@@ -27,8 +27,12 @@ def quantize_int8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.round(weight.to(torch.float32) / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
 
 
-def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # qweight: [N, K] int8, scale: [N] -> [N, K] float32
+def dequantize_int8(
+    qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    # qweight: [N, K] int8, scale: [N] -> [N, K] float32 (written into `out` when given)
+    if out is not None:
+        return out.copy_(qweight).mul_(scale.to(torch.float32)[:, None])
     return qweight.to(torch.float32) * scale.to(torch.float32)[:, None]
 
 

@@ -218,12 +218,11 @@ class Engine:
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Finish a request now and free its blocks; False if it was not running."""
         with self._wake:
-            stream = self.streams.pop(request_id, None)
+            stream = self.streams.get(request_id)
             self._callbacks.pop(request_id, None)
             if stream is None:
                 return False
-            self.scheduler.finish(stream.seq, reason)
-            self.metrics.requests.labels(finish_reason=reason).inc()
+            self._finish(stream, reason)
             self._update_gauges()
         return True
 
@@ -233,16 +232,20 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop (engine thread)
 
+    def _finish(self, stream: _Stream, reason: str) -> RequestOutput:
+        """End a request early (abort, timeout, error): drop its stream, free its blocks, count it."""
+        self.streams.pop(stream.seq.request_id, None)
+        self.scheduler.finish(stream.seq, reason)
+        self.metrics.requests.labels(finish_reason=reason).inc()
+        return self._output(stream, "", [], True)
+
     def _expire(self) -> list[RequestOutput]:
         now = time.monotonic()
-        expired = []
-        for request_id, stream in list(self.streams.items()):
-            if stream.seq.deadline is not None and now > stream.seq.deadline:
-                self.streams.pop(request_id)
-                self.scheduler.finish(stream.seq, "timeout")
-                self.metrics.requests.labels(finish_reason="timeout").inc()
-                expired.append(self._output(stream, "", [], True))
-        return expired
+        return [
+            self._finish(stream, "timeout")
+            for stream in list(self.streams.values())
+            if stream.seq.deadline is not None and now > stream.seq.deadline
+        ]
 
     def _output(self, stream: _Stream, text: str, ids: list[int], finished: bool) -> RequestOutput:
         seq = stream.seq
@@ -389,12 +392,7 @@ class Engine:
         """Finish every request with finish_reason 'error' (their blocks are freed) after a failed step."""
         with self._lock:
             self.stats.extra["last_error"] = message
-            outputs = []
-            for request_id, stream in list(self.streams.items()):
-                self.streams.pop(request_id)
-                self.scheduler.finish(stream.seq, "error")
-                self.metrics.requests.labels(finish_reason="error").inc()
-                outputs.append(self._output(stream, "", [], True))
+            outputs = [self._finish(stream, "error") for stream in list(self.streams.values())]
             self._update_gauges()
         self._deliver(outputs)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import rotate_half
 
 from serve.scheduler import Scheduled
 
@@ -89,11 +90,6 @@ def _eps(norm: nn.Module) -> float:
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 @dataclass
@@ -266,7 +262,7 @@ class ModelRunner:
         for index, plan in enumerate(self.plans):
             qkv = plan.qkv(_rms_norm(hidden, plan.input_norm.weight, plan.input_eps))
             qk = qkv[:, : rotated * head_dim].reshape(tokens, rotated, head_dim)
-            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads in one pass
+            qk = qk * cos + rotate_half(qk) * sin  # RoPE on q and k heads in one pass
             k = qk[:, heads:]
             v = qkv[:, rotated * head_dim :].reshape(tokens, kv_heads, head_dim)
             if k.dtype != self.kv_dtype:
@@ -309,14 +305,10 @@ class ModelRunner:
             sample_rows,
         )
 
-    def execute(self, items: list[Scheduled]) -> torch.Tensor:
-        """Run one scheduled step; returns logits [S, vocab] for the items that sample, in schedule order
-        (decodes first, then prefills)."""
-        return self.run(self.prepare(items))
-
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
-        """Run a prepared step. `prepare` reads the sequences' block tables, so the engine calls it under its
+        """Run a prepared step; returns logits [S, vocab] for the items that sample, in schedule order (decodes
+        first, then prefills). `prepare` reads the sequences' block tables, so the engine calls it under its
         lock (a concurrent abort frees blocks); `run` only touches tensors and can run without it."""
         device = self.device
         if device.type != "cpu":
@@ -350,7 +342,7 @@ class ModelRunner:
         return logits.to(torch.float32)
 
     def ordered(self, items: list[Scheduled]) -> list[Scheduled]:
-        """The items that sample, in the order `execute` returns their logits."""
+        """The items that sample, in the order `run` returns their logits."""
         return [i for i in items if i.num_new == 1 and i.samples] + [
             i for i in items if i.num_new > 1 and i.samples
         ]
