@@ -573,7 +573,12 @@ def serve(
     kv_memory: str = typer.Option(
         "512MB", "--kv-memory", help="KV pool size: bytes (512MB, 2GiB) or a fraction of free memory."
     ),
-    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
+    block_size: int = typer.Option(
+        8, "--block-size", help="Tokens per KV block (smaller: less of the pool left unfilled)."
+    ),
+    kv_dtype: str = typer.Option(
+        "float32", "--kv-dtype", help="KV pool element type: float32, bfloat16 (half the memory) or float16."
+    ),
     max_num_batched_tokens: int = typer.Option(
         1024, "--max-num-batched-tokens", help="Token budget per step."
     ),
@@ -597,7 +602,7 @@ def serve(
     ),
 ) -> None:
     from serve.api import ServerInfo
-    from serve.engine import EngineConfig
+    from serve.engine import KV_DTYPES, EngineConfig
     from serve.server import build_engine, describe, load_for_serving, serve_forever
 
     out = _out(ctx)
@@ -610,6 +615,7 @@ def serve(
             (max_queue >= 0, "--max-queue must be >= 0"),
             (request_timeout > 0, "--request-timeout must be > 0"),
             (1 <= port <= 65535, "--port must be 1..65535"),
+            (kv_dtype in KV_DTYPES, f"--kv-dtype must be one of {', '.join(KV_DTYPES)} (got {kv_dtype!r})"),
         )
         if not ok
     ]
@@ -620,6 +626,7 @@ def serve(
     config = EngineConfig(
         block_size=block_size,
         kv_memory=kv_memory,
+        kv_dtype=KV_DTYPES[kv_dtype],
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         max_queue=max_queue,
@@ -770,6 +777,9 @@ def bench_serve(
         0.0, "--abort-fraction", help="Share of requests the client aborts mid-stream."
     ),
     kv_memory: str = typer.Option("512MB", "--kv-memory", help="KV pool of the qpack server."),
+    server_arg: list[str] = typer.Option(
+        [], "--server-arg", help="Extra `qpack serve` option, repeatable (--server-arg=--kv-dtype=bfloat16)."
+    ),
     seed: int = typer.Option(0, "--seed", help="Request sampling seed."),
     out_dir: Path | None = typer.Option(
         None, "--out", help="Results folder (default bench-results/serve-TIME)."
@@ -803,6 +813,7 @@ def bench_serve(
             abort_fraction=abort_fraction,
             seed=seed,
             kv_memory=kv_memory,
+            extra_server_args=tuple(server_arg),
         )
         log = (lambda m: None) if out.quiet else (lambda m: out.stderr.print(m, highlight=False))
         result = run_serve_bench(config, log)

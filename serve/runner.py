@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
+from quantize import native
 from serve.scheduler import Scheduled
 
 
@@ -89,6 +90,13 @@ def _eps(norm: nn.Module) -> float:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and native.ready()
+        and not torch.compiler.is_compiling()
+    ):
+        return native.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
@@ -100,6 +108,7 @@ class StepBatch:
     num_decode: int  # the first num_decode tokens are single-token decodes
     decode_slots: torch.Tensor  # [D, L] context slots of each decode (padded with 0)
     decode_mask: torch.Tensor  # [D, 1, 1, L] bool, True where the slot holds context
+    decode_bounds: torch.Tensor  # [2, D] first attended key (sliding window) and context length
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (row start, row end, context slots, mask)
     sample_rows: torch.Tensor  # [S] rows whose output is sampled
 
@@ -128,6 +137,11 @@ class ModelRunner:
         self.scale = self.head_dim**-0.5
         window = getattr(config, "sliding_window", None)
         self.sliding_window = int(window) if window and getattr(config, "use_sliding_window", True) else None
+        if self.device.type == "cpu":
+            native.enable()  # builds once per machine (~1 min) so that no request waits for it
+        self._native_attention = (
+            self.device.type == "cpu" and native.ready() and kv_dtype in (torch.float32, torch.bfloat16)
+        )
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_dtype = kv_dtype
@@ -178,11 +192,14 @@ class ModelRunner:
         width = max((i.start + 1 for i in decodes), default=0)
         decode_slots = torch.zeros(num_decode, width, dtype=torch.int64)
         decode_mask = torch.zeros(num_decode, 1, 1, width, dtype=torch.bool)
+        bounds: list[list[int]] = [[], []]
         for index, item in enumerate(decodes):
             length = item.start + 1
             decode_slots[index, :length] = self._slots(item.seq.block_ids, 0, length)
-            keys = torch.arange(length)
-            decode_mask[index, 0, 0, :length] = self._window_mask(torch.tensor([item.start]), keys)[0]
+            first = max(0, length - self.sliding_window) if self.sliding_window is not None else 0
+            decode_mask[index, 0, 0, first:length] = True
+            bounds[0].append(first)
+            bounds[1].append(length)
         prefill_meta = []
         start = num_decode
         for item in prefills:
@@ -198,6 +215,7 @@ class ModelRunner:
             num_decode=num_decode,
             decode_slots=decode_slots,
             decode_mask=decode_mask,
+            decode_bounds=torch.tensor(bounds, dtype=torch.int64).reshape(2, num_decode),
             prefills=prefill_meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
         )
@@ -209,12 +227,25 @@ class ModelRunner:
         num_decode: int,
         decode_slots: torch.Tensor,
         decode_mask: torch.Tensor,
+        decode_bounds: torch.Tensor,
         prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         # q: [T, heads, d] -> [T, heads * d]
         k_cache, v_cache = self.k_cache[index], self.v_cache[index]
         parts: list[torch.Tensor] = []
-        if num_decode:
+        if num_decode and self._native_attention and not torch.compiler.is_compiling():
+            parts.append(
+                native.decode_attention(
+                    q[:num_decode],
+                    k_cache,
+                    v_cache,
+                    decode_slots,
+                    decode_bounds[0],
+                    decode_bounds[1],
+                    self.scale,
+                )
+            )
+        elif num_decode:
             rows, width = decode_slots.shape
             flat = decode_slots.reshape(-1)
             keys = k_cache.index_select(0, flat).view(rows, width, self.num_kv_heads, self.head_dim)
@@ -250,6 +281,7 @@ class ModelRunner:
         num_decode: int,
         decode_slots: torch.Tensor,
         decode_mask: torch.Tensor,
+        decode_bounds: torch.Tensor,
         prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
         sample_rows: torch.Tensor,
     ) -> torch.Tensor:
@@ -269,17 +301,28 @@ class ModelRunner:
                 k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
             self.k_cache[index].index_copy_(0, slots, k)
             self.v_cache[index].index_copy_(0, slots, v)
-            attended = self._attention(index, qk[:, :heads], num_decode, decode_slots, decode_mask, prefills)
+            attended = self._attention(
+                index, qk[:, :heads], num_decode, decode_slots, decode_mask, decode_bounds, prefills
+            )
             hidden = hidden + plan.o(attended)
             hidden = hidden + plan.mlp(_rms_norm(hidden, plan.post_norm.weight, plan.post_eps))
         last = _rms_norm(hidden.index_select(0, sample_rows), self.norm.weight, self.final_eps)
         return self._head(last)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        """The FP32 LM head. For several rows on CPU, [vocab, H] @ [H, rows] runs 2-5x faster than the
-        [rows, H] @ [H, vocab] that `F.linear` issues (measured on this project's 2-core reference machine);
-        one row stays a GEMV."""
+        """The FP32 LM head: up to `native.MAX_ROWS` rows on CPU through the weight-streaming kernel (one
+        pass over the 113 MB matrix at near bandwidth, ~2x MKL's GEMV). Beyond, [vocab, H] @ [H, rows] runs
+        2-5x faster than the [rows, H] @ [H, vocab] that `F.linear` issues (measured on this project's 2-core
+        reference machine)."""
         head = self.lm_head
+        if (
+            type(head) is nn.Linear
+            and head.weight.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.shape[0] <= native.MAX_ROWS
+            and native.ready()
+        ):
+            return native.linear(x, head.weight, None, head.bias)
         if x.shape[0] < 2 or x.device.type != "cpu" or type(head) is not nn.Linear:
             return head(x)
         logits = torch.mm(head.weight, x.t()).t()
@@ -292,6 +335,7 @@ class ModelRunner:
         slots: torch.Tensor,
         decode_slots: torch.Tensor,
         decode_mask: torch.Tensor,
+        decode_bounds: torch.Tensor,
         sample_rows: torch.Tensor,
     ) -> torch.Tensor:
         return self._forward(
@@ -301,6 +345,7 @@ class ModelRunner:
             int(decode_slots.shape[0]),
             decode_slots,
             decode_mask,
+            decode_bounds,
             [],
             sample_rows,
         )
@@ -321,6 +366,7 @@ class ModelRunner:
                     batch.slots,
                     batch.decode_slots,
                     batch.decode_mask,
+                    batch.decode_bounds,
                     batch.sample_rows,
                 )
                 return logits.to(torch.float32)
@@ -336,6 +382,7 @@ class ModelRunner:
             batch.num_decode,
             batch.decode_slots,
             batch.decode_mask,
+            batch.decode_bounds,
             batch.prefills,
             batch.sample_rows,
         )
@@ -356,6 +403,7 @@ def _to_device(batch: StepBatch, device: torch.device) -> StepBatch:
         num_decode=batch.num_decode,
         decode_slots=batch.decode_slots.to(device),
         decode_mask=batch.decode_mask.to(device),
+        decode_bounds=batch.decode_bounds.to(device),
         prefills=[(a, b, slots.to(device), mask.to(device)) for a, b, slots, mask in batch.prefills],
         sample_rows=batch.sample_rows.to(device),
     )

@@ -25,7 +25,7 @@ from serve.sequence import Sequence, Status
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    block_size: int = 16
+    block_size: int = 8
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 32
     max_queue: int = 256

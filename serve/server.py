@@ -59,11 +59,15 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
 
 
 def describe(engine: Engine) -> str:
+    from quantize import native
+
     tokens = engine.num_blocks * engine.config.block_size
+    kernels = "native (AVX2)" if native.ready() else f"torch ({native.unavailable_reason() or 'not built'})"
     return (
         f"KV cache: {engine.num_blocks:,} blocks x {engine.config.block_size} tokens = {tokens:,} tokens "
-        f"({engine.kv_bytes / 2**20:.0f} MiB, {engine.kv_bytes_per_token / 1024:.1f} KiB/token); "
-        f"max context {engine.max_model_len:,} tokens"
+        f"({engine.kv_bytes / 2**20:.0f} MiB {str(engine.config.kv_dtype).removeprefix('torch.')}, "
+        f"{engine.kv_bytes_per_token / 1024:.1f} KiB/token); "
+        f"max context {engine.max_model_len:,} tokens; decode kernels: {kernels}"
     )
 
 

@@ -91,6 +91,9 @@ def _random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list
     return torch.randint(3, vocab, (batch, length), generator=generator).tolist()
 
 
+_PROFILE_PROMPT = 64
+
+
 class _Artifact:
     def __init__(self, path: str, max_batch: int, max_len: int, compile_decode: bool = False) -> None:
         from quantize.artifact import load_artifact
@@ -102,10 +105,11 @@ class _Artifact:
         self.model = loaded.model
         self.name = f"{loaded.name} v{loaded.version}"
         per_token = kv_bytes_per_token(self.model.config)
-        blocks = max_batch * (max_len // 16 + 2) + 8
+        size = EngineConfig.block_size
+        max_len += _PROFILE_PROMPT  # room for the profile request too (one sequence, after the batches)
+        blocks = max_batch * (max_len // size + 2) + 8
         config = EngineConfig(
-            block_size=16,
-            kv_memory=blocks * 16 * per_token,
+            kv_memory=blocks * size * per_token,
             max_num_seqs=max_batch,
             max_num_batched_tokens=2048,
             enable_prefix_caching=False,
@@ -144,7 +148,7 @@ class _Artifact:
 
         from serve.sequence import SamplingParams
 
-        prompt = _random_prompts(1, 64, vocab, 123)[0]
+        prompt = _random_prompts(1, _PROFILE_PROMPT, vocab, 123)[0]
         self.engine.add(
             "profile",
             prompt,
@@ -164,6 +168,8 @@ class _Artifact:
             self.engine.step()
         categories = {"quantized kernels": 0.0, "dense matmul (LM head, FP layers)": 0.0, "attention": 0.0}
         kernel_ops = (
+            "qpack::linear_int8",
+            "qpack::linear_bf16",
             "aten::_weight_int8pack_mm",
             "aten::_weight_int4pack_mm_for_cpu",
             "aten::_weight_int4pack_mm",
@@ -173,7 +179,13 @@ class _Artifact:
             seconds = event.self_cpu_time_total / 1e6 / steps
             if event.key in kernel_ops:
                 categories["quantized kernels"] += seconds
-            elif event.key in ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear"):
+            elif event.key in (
+                "qpack::linear_fp32",
+                "aten::mm",
+                "aten::addmm",
+                "aten::matmul",
+                "aten::linear",
+            ):
                 categories["dense matmul (LM head, FP layers)"] += seconds
             elif "scaled_dot_product" in event.key or "attention" in event.key:
                 categories["attention"] += seconds

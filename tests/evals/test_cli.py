@@ -90,3 +90,14 @@ def test_quantize_and_inspect(tmp_path: Path, tiny_llama: Path, tiny_llama_calib
     assert bad.exit_code == 2 and "calibration directory" in bad.stderr
     again = runner.invoke(app, args)
     assert again.exit_code == 2 and "already exists" in again.stderr
+
+
+def test_serve_reports_every_bad_option_at_once(tiny_llama: Path) -> None:
+    result = runner.invoke(
+        app,
+        ["--json", "serve", str(tiny_llama), "--block-size", "0", "--kv-dtype", "int3", "--port", "0"],
+    )
+    assert result.exit_code == 2
+    error = json.loads(result.stdout)["error"]
+    assert "--block-size" in error and "--kv-dtype must be one of float32, bfloat16, float16" in error
+    assert "--port" in error

@@ -105,6 +105,24 @@ def test_compiled_decode_matches_eager(tiny_llama) -> None:
     assert engine.runner._decode_fn is not None  # still compiled: no fallback to eager happened
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_kv_pool_halves_memory_and_stays_close(tiny_llama, kv_dtype: torch.dtype) -> None:
+    source = resolve_model(str(tiny_llama))
+    model, tokenizer = load_model(source), load_tokenizer(source)
+    logits = {}
+    for dtype in (torch.float32, kv_dtype):
+        engine = Engine(model, tokenizer, EngineConfig(block_size=4, kv_memory="8MB", kv_dtype=dtype))
+        engine.add("r", PROMPTS[2], SamplingParams(max_tokens=4, temperature=0.0), lambda _o: None)
+        scheduled = engine.scheduler.schedule().scheduled
+        logits[dtype] = engine.runner.run(engine.runner.prepare(scheduled))
+        assert engine.runner.k_cache[0].dtype == dtype
+        per_token = engine.kv_bytes_per_token
+    assert per_token * 2 == Engine(model, tokenizer, EngineConfig(kv_memory="8MB")).kv_bytes_per_token
+    reference = logits[torch.float32]
+    error = (logits[kv_dtype] - reference).abs().max() / reference.abs().max()
+    assert 0 < error < 2e-2
+
+
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(tiny_llama) -> None:
     import threading
 

@@ -30,6 +30,8 @@ def test_sigterm_drains_running_requests(tiny_llama: Path) -> None:
         "16MB",
         "--block-size",
         "4",
+        "--kv-dtype",
+        "bfloat16",
     ]
     proc = subprocess.Popen(
         cmd,
@@ -73,7 +75,8 @@ def test_sigterm_drains_running_requests(tiny_llama: Path) -> None:
         finals = [json.loads(c[6:]) for c in chunks[:-1]]
         assert finals[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0
-        assert "KV cache:" in proc.stderr.read()
+        banner = proc.stderr.read()
+        assert "KV cache:" in banner and "MiB bfloat16" in banner
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,109 @@
+"""The native small-batch kernels against torch references: every weight type, odd row counts, K tails, padded
+rows, scale and bias; and the quantized modules routing decode-sized batches to them."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quantize import native
+from quantize.modules import HalfLinear, Int8Linear
+from quantize.schemes import BF16, Int8
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="needs a C++ compiler and an AVX2 CPU",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    assert native.enable() is not None, native.unavailable_reason()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("k", [20, 64, 576])
+def test_every_weight_type_matches_torch(rows: int, k: int) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + k)
+    n = 37
+    x = torch.randn(rows, k, generator=generator)
+    weight = torch.randn(n, k, generator=generator)
+    bias = torch.randn(n, generator=generator)
+    scale = torch.rand(n, generator=generator) / 100 + 1e-3
+    qweight = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+    padded = F.pad(qweight, (0, 12))  # row stride beyond K, as Int8Linear stores it
+
+    close = {"rtol": 1e-4, "atol": 1e-4}  # float sums in another order
+    torch.testing.assert_close(native.linear(x, weight, None, bias), F.linear(x, weight, bias), **close)
+    torch.testing.assert_close(native.linear(x, padded, scale), F.linear(x, qweight.float()) * scale, **close)
+    half = weight.to(torch.bfloat16)
+    torch.testing.assert_close(native.linear(x, half), F.linear(x, half.float()), **close)
+
+
+def test_quantized_modules_route_small_batches_and_stay_exact() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(48, 40)
+    scale = weight.abs().amax(1) / 127
+    qweight = torch.round(weight / scale[:, None]).to(torch.int8)
+    int8 = Int8Linear(Int8(), qweight, scale, torch.randn(48))
+    half = HalfLinear(BF16(), weight.to(torch.bfloat16), None)
+    x = torch.randn(3, 40)
+    with torch.inference_mode():
+        torch.testing.assert_close(int8(x), F.linear(x, qweight.float() * scale[:, None], int8.bias))
+        torch.testing.assert_close(half(x), F.linear(x, weight.to(torch.bfloat16).float()))
+    calls = []
+    real = native.linear
+
+    def spy(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    native.linear = spy  # type: ignore[assignment]
+    try:
+        with torch.inference_mode():
+            int8(x)
+            int8(torch.randn(native.MAX_ROWS + 1, 40))  # a prefill-sized batch keeps torch's GEMM
+        needs_grad = torch.randn(2, 40, requires_grad=True)
+        half(needs_grad).sum().backward()  # autograd keeps torch's ops, gradients flow
+    finally:
+        native.linear = real  # type: ignore[assignment]
+    assert calls == [3]
+    assert needs_grad.grad is not None and needs_grad.grad.abs().sum() > 0
+
+
+def test_compiled_callers_see_an_opaque_custom_op() -> None:
+    weight = torch.randn(24, 16)
+    x = torch.randn(2, 16)
+    compiled = torch.compile(lambda a: native.linear(a, weight), fullgraph=True)
+    torch.testing.assert_close(compiled(x), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_sdpa_over_gathered_context(cache_dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, num_slots = 6, 2, 16, 64
+    k_cache = torch.randn(num_slots, kv_heads, d, generator=generator).to(cache_dtype)
+    v_cache = torch.randn(num_slots, kv_heads, d, generator=generator).to(cache_dtype)
+    lengths = torch.tensor([5, 12, 1])
+    starts = torch.tensor([0, 4, 0])  # the second sequence attends through a sliding window
+    width = int(lengths.max())
+    slots = torch.zeros(3, width, dtype=torch.int64)
+    for row, length in enumerate(lengths.tolist()):
+        slots[row, :length] = torch.randperm(num_slots, generator=generator)[:length]
+    q = torch.randn(3, heads, d, generator=generator)
+    got = native.decode_attention(q, k_cache, v_cache, slots, starts, lengths, d**-0.5)
+    for row in range(3):
+        context = slots[row, int(starts[row]) : int(lengths[row])]
+        keys = k_cache[context].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        values = v_cache[context].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        expected = F.scaled_dot_product_attention(q[row].unsqueeze(1), keys, values, scale=d**-0.5)
+        torch.testing.assert_close(got[row], expected.reshape(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_matches_torch() -> None:
+    x = torch.randn(5, 40) * 3
+    weight = torch.rand(40) + 0.5
+    torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), F.rms_norm(x, (40,), weight, 1e-5))
