@@ -634,6 +634,11 @@ def serve(
         enable_prefix_caching=prefix_caching,
         compile=compile_decode,
     )
+    if not out.quiet:
+        out.stderr.print(
+            "loading the native decode kernels (built once per machine: ~1 min the first time)...",
+            highlight=False,
+        )
     engine = _run(out, lambda: build_engine(loaded, config))
     if compile_decode:
         if not out.quiet:
