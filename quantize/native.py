@@ -11,7 +11,7 @@ loaded). `decode_attention` reads each sequence's keys and values in place from 
 slot list, instead of gathering a padded copy per layer for SDPA; `rms_norm` is one pass where torch's CPU
 op runs ~8. Together they took the batch-1 int8 step from ~62 to ~41 ms and batch 16 from ~165 to ~133 ms.
 
-The extension compiles once per machine (~1 min, cached by torch under ~/.cache/torch_extensions) and needs a
+The extension compiles once per machine and environment (~1 min, cached under qpack's user cache dir) and needs a
 C++ compiler and an AVX2+FMA CPU. Nothing builds it behind a user's back: the serving engine calls `enable()`
 at start-up (a server pays the minute once, before traffic); until then, and where the compiler or AVX2 is
 missing or the build fails, `ready()` is False and the quantized modules keep torch's ops. Results differ
@@ -24,7 +24,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
+import time
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -279,13 +282,13 @@ def enable() -> ModuleType | None:
                 from torch.utils.cpp_extension import load_inline
 
                 _ninja_on_path()
-
-                digest = hashlib.sha256((_SOURCE + torch.__version__).encode()).hexdigest()[:12]
+                name, folder = _build_folder()
                 _module = load_inline(
-                    name=f"qpack_gemv_{digest}",
+                    name=name,
                     cpp_sources=[_SOURCE],
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
+                    build_directory=str(folder),
                     verbose=False,
                 )
             except Exception as error:  # no compiler, no ninja, a build error: keep torch's kernels
@@ -295,11 +298,34 @@ def enable() -> ModuleType | None:
         return _module
 
 
+STALE_LOCK_S = 600.0  # a build takes ~1 min; a lock this old was left by a process killed mid-build
+
+
+def _build_folder() -> tuple[str, Path]:
+    """One build folder per (source, torch, Python environment): torch's build files name the environment's
+    include paths, so two venvs sharing a folder would rebuild on every switch, each start holding the lock.
+    A lock left by a process killed mid-build would make every later start wait forever: clear it when stale."""
+    from quantize.models import cache_dir
+
+    key = "\n".join((_SOURCE, torch.__version__, sys.prefix, torch.__file__))
+    name = f"qpack_native_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    folder = cache_dir() / "native" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        age = 0.0
+    if age > STALE_LOCK_S:
+        _log.warning("removing a stale build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
+    return name, folder
+
+
 def _ninja_on_path() -> None:
     """torch builds with `ninja` from PATH; a venv's own ninja (the `ninja` wheel) is not on PATH when the venv's
     python is run without activating it."""
     import shutil
-    import sys
 
     scripts = os.path.dirname(sys.executable)
     if shutil.which("ninja") is None and os.path.exists(os.path.join(scripts, "ninja")):

@@ -107,3 +107,18 @@ def test_rms_norm_matches_torch() -> None:
     x = torch.randn(5, 40) * 3
     weight = torch.rand(40) + 0.5
     torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), F.rms_norm(x, (40,), weight, 1e-5))
+
+
+def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(monkeypatch, tmp_path) -> None:
+    import os
+    import time
+
+    monkeypatch.setenv("QPACK_CACHE_DIR", str(tmp_path))
+    _name, folder = native._build_folder()
+    lock = folder / "lock"
+    lock.touch()
+    assert native._build_folder()[1] == folder and lock.exists()  # a build may be running: wait for it
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    native._build_folder()
+    assert not lock.exists()
