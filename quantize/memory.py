@@ -20,23 +20,33 @@ _M_MMAP_THRESHOLD = -3
 _applied = False
 
 
+def _libc() -> ctypes.CDLL | None:
+    """glibc on Linux, else None (the policy and the trim are glibc calls)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
 def release_freed_memory(threshold_bytes: int = 1 << 20) -> bool:
     """Apply the policy (glibc only); returns whether it took effect."""
     global _applied
     if _applied:
         return True
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        libc = ctypes.CDLL(name)
         ok = (
             libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes) == 1
             and libc.mallopt(_M_TRIM_THRESHOLD, threshold_bytes) == 1
         )
-    except (OSError, AttributeError):
+    except AttributeError:
         return False
     _applied = ok
     return ok
@@ -44,12 +54,10 @@ def release_freed_memory(threshold_bytes: int = 1 << 20) -> bool:
 
 def trim_heap() -> bool:
     """Hand free heap pages back to the OS now (glibc `malloc_trim`), so the next RSS reading is honest."""
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        return bool(ctypes.CDLL(name).malloc_trim(0))
-    except (OSError, AttributeError):
+        return bool(libc.malloc_trim(0))
+    except AttributeError:
         return False
