@@ -107,7 +107,6 @@ class StepBatch:
     slots: torch.Tensor  # [T] slot of each new token
     num_decode: int  # the first num_decode tokens are single-token decodes
     decode_slots: torch.Tensor  # [D, L] context slots of each decode (padded with 0)
-    decode_mask: torch.Tensor  # [D, 1, 1, L] bool, True where the slot holds context
     decode_bounds: torch.Tensor  # [2, D] first attended key (sliding window) and context length
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (row start, row end, context slots, mask)
     sample_rows: torch.Tensor  # [S] rows whose output is sampled
@@ -191,13 +190,11 @@ class ModelRunner:
         num_decode = len(decodes)
         width = max((i.start + 1 for i in decodes), default=0)
         decode_slots = torch.zeros(num_decode, width, dtype=torch.int64)
-        decode_mask = torch.zeros(num_decode, 1, 1, width, dtype=torch.bool)
         bounds: list[list[int]] = [[], []]
         for index, item in enumerate(decodes):
             length = item.start + 1
             decode_slots[index, :length] = self._slots(item.seq.block_ids, 0, length)
             first = max(0, length - self.sliding_window) if self.sliding_window is not None else 0
-            decode_mask[index, 0, 0, first:length] = True
             bounds[0].append(first)
             bounds[1].append(length)
         prefill_meta = []
@@ -214,7 +211,6 @@ class ModelRunner:
             slots=torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64),
             num_decode=num_decode,
             decode_slots=decode_slots,
-            decode_mask=decode_mask,
             decode_bounds=torch.tensor(bounds, dtype=torch.int64).reshape(2, num_decode),
             prefills=prefill_meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
@@ -226,14 +222,14 @@ class ModelRunner:
         q: torch.Tensor,
         num_decode: int,
         decode_slots: torch.Tensor,
-        decode_mask: torch.Tensor,
+        decode_mask: torch.Tensor | None,
         decode_bounds: torch.Tensor,
         prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        # q: [T, heads, d] -> [T, heads * d]
+        # q: [T, heads, d] -> [T, heads * d]; decode_mask None: decodes read the pool in place (native kernel)
         k_cache, v_cache = self.k_cache[index], self.v_cache[index]
         parts: list[torch.Tensor] = []
-        if num_decode and self._native_attention and not torch.compiler.is_compiling():
+        if num_decode and decode_mask is None:
             parts.append(
                 native.decode_attention(
                     q[:num_decode],
@@ -280,11 +276,15 @@ class ModelRunner:
         slots: torch.Tensor,
         num_decode: int,
         decode_slots: torch.Tensor,
-        decode_mask: torch.Tensor,
         decode_bounds: torch.Tensor,
         prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
         sample_rows: torch.Tensor,
     ) -> torch.Tensor:
+        decode_mask = None
+        if num_decode and not (self._native_attention and not torch.compiler.is_compiling()):
+            keys = torch.arange(decode_slots.shape[1], device=decode_slots.device)
+            first, length = decode_bounds[0, :, None], decode_bounds[1, :, None]
+            decode_mask = ((keys >= first) & (keys < length))[:, None, None, :]  # [D, 1, 1, L]
         hidden = self.embed(input_ids)  # [T, H]
         cos, sin = self.rotary(hidden[None], positions[None])
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, d]
@@ -334,7 +334,6 @@ class ModelRunner:
         positions: torch.Tensor,
         slots: torch.Tensor,
         decode_slots: torch.Tensor,
-        decode_mask: torch.Tensor,
         decode_bounds: torch.Tensor,
         sample_rows: torch.Tensor,
     ) -> torch.Tensor:
@@ -344,7 +343,6 @@ class ModelRunner:
             slots,
             int(decode_slots.shape[0]),
             decode_slots,
-            decode_mask,
             decode_bounds,
             [],
             sample_rows,
@@ -365,7 +363,6 @@ class ModelRunner:
                     batch.positions,
                     batch.slots,
                     batch.decode_slots,
-                    batch.decode_mask,
                     batch.decode_bounds,
                     batch.sample_rows,
                 )
@@ -381,7 +378,6 @@ class ModelRunner:
             batch.slots,
             batch.num_decode,
             batch.decode_slots,
-            batch.decode_mask,
             batch.decode_bounds,
             batch.prefills,
             batch.sample_rows,
@@ -402,7 +398,6 @@ def _to_device(batch: StepBatch, device: torch.device) -> StepBatch:
         slots=batch.slots.to(device),
         num_decode=batch.num_decode,
         decode_slots=batch.decode_slots.to(device),
-        decode_mask=batch.decode_mask.to(device),
         decode_bounds=batch.decode_bounds.to(device),
         prefills=[(a, b, slots.to(device), mask.to(device)) for a, b, slots, mask in batch.prefills],
         sample_rows=batch.sample_rows.to(device),
