@@ -123,7 +123,7 @@ class HalfLinear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.weight.dtype == torch.bfloat16 and _native_rows(x2):
+        if self.weight.dtype == torch.bfloat16 and native.takes(x2):
             y = native.linear(x2.to(torch.float32), self.weight)
         elif x.is_cuda or x2.shape[0] <= self.half_max_rows:
             y = F.linear(x2.to(self.weight.dtype), self.weight).to(torch.float32)
@@ -184,16 +184,6 @@ _INT8_K_MULTIPLE = 8  # aten._weight_int8pack_mm on CPU reads K in vectors of 8 
 _SCRATCH = threading.local()
 
 
-def _native_rows(x2: torch.Tensor) -> bool:
-    """A few CPU rows, no autograd, kernels loaded: the weight-streaming kernels of quantize/native.py."""
-    return (
-        x2.device.type == "cpu"
-        and x2.shape[0] <= native.MAX_ROWS
-        and native.ready()
-        and not (torch.is_grad_enabled() and x2.requires_grad)
-    )
-
-
 def _scratch(shape: torch.Size, device: torch.device) -> torch.Tensor:
     """A per-thread float32 buffer reused for the dense (prefill) path's dequantized weight: one allocation for
     the process instead of a fresh multi-MB tensor per layer per call. Only under inference mode (serving,
@@ -242,7 +232,7 @@ class Int8Linear(QuantLinear):
         qweight = self.qweight[:, : self.in_features]
         if x.is_cuda:
             y = _cuda_int8_mm(x2, qweight, self.scale)
-        elif _native_rows(x2):
+        elif native.takes(x2):
             y = native.linear(x2.to(torch.float32), self.qweight, self.scale)
         elif x2.shape[0] >= self.dense_min_rows:
             weight = P.dequantize_int8(qweight, self.scale, out=_scratch(qweight.shape, qweight.device))

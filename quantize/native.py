@@ -337,6 +337,17 @@ def ready() -> bool:
     return _module is not None
 
 
+def takes(x: torch.Tensor) -> bool:
+    """Whether `linear` serves these activation rows: kernels loaded, CPU, at most MAX_ROWS rows, no autograd
+    (the kernels have no backward)."""
+    return (
+        _module is not None
+        and x.device.type == "cpu"
+        and x.shape[0] <= MAX_ROWS
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    )
+
+
 def unavailable_reason() -> str | None:
     return _failed
 

@@ -315,13 +315,7 @@ class ModelRunner:
         2-5x faster than the [rows, H] @ [H, vocab] that `F.linear` issues (measured on this project's 2-core
         reference machine)."""
         head = self.lm_head
-        if (
-            type(head) is nn.Linear
-            and head.weight.dtype == torch.float32
-            and x.device.type == "cpu"
-            and x.shape[0] <= native.MAX_ROWS
-            and native.ready()
-        ):
+        if type(head) is nn.Linear and head.weight.dtype == torch.float32 and native.takes(x):
             return native.linear(x, head.weight, None, head.bias)
         if x.shape[0] < 2 or x.device.type != "cpu" or type(head) is not nn.Linear:
             return head(x)
