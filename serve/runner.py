@@ -12,9 +12,11 @@ each sequence's context through its block table:
   what makes chunked prefill and prefix-cache hits exact.
 Only the last position of sequences that sample this step goes through the final norm and LM head.
 
-Decode at small batch is dominated by per-op overhead and weight reads, so the layer loop is lean: q/k/v and
-gate/up projections that share an input are fused into one kernel call each (when they have the same scheme),
-and norms use the fused `rms_norm` op.
+Decode at small batch is dominated by per-op overhead and weight reads. A step of decodes only (up to
+`native.MAX_ROWS` sequences) runs each run of consecutive layers whose projections are int8/bf16/FP32 as one
+`native.decode_layers` call; other layers (int4, bitsandbytes), prefill steps, and machines without the native
+kernels take the per-layer loop, where q/k/v and gate/up projections that share an input are fused into one
+kernel call each (when they have the same scheme) and norms use the fused `rms_norm` op.
 """
 
 from __future__ import annotations
@@ -84,6 +86,33 @@ class _LayerPlan:
         gate, up = torch.split(self.gate_up(x), self.intermediate, dim=-1)
         return self.down(self.act(gate) * up)
 
+    def native_projections(self) -> list[list[native.Part]] | None:
+        """The layer's q/k/v, o, gate/up and down as `native.decode_layers` parts, or None when the fused
+        native step can't run it (a linear that is not int8/bf16/FP32, an activation other than SiLU)."""
+        if type(self.act).__name__ not in ("SiLU", "SiLUActivation"):
+            return None
+        if any(norm.weight.dtype != torch.float32 for norm in (self.input_norm, self.post_norm)):
+            return None
+        projections = [self.qkv.calls, [self.o], self.gate_up.calls, [self.down]]
+        parts = [[_native_part(module) for module in calls] for calls in projections]
+        if any(part is None for calls in parts for part in calls):
+            return None
+        return parts  # type: ignore[return-value]
+
+
+def _native_part(module: nn.Module) -> native.Part | None:
+    """(weight, scale, bias) of a linear the native kernels execute as stored."""
+    from quantize.modules import HalfLinear, Int8Linear
+
+    bias = getattr(module, "bias", None)
+    if type(module) is nn.Linear and module.weight.dtype == torch.float32:
+        return module.weight, None, bias
+    if isinstance(module, Int8Linear):
+        return module.qweight, module.scale, bias
+    if isinstance(module, HalfLinear) and module.weight.dtype == torch.bfloat16:
+        return module.weight, None, bias
+    return None
+
 
 def _eps(norm: nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
@@ -147,6 +176,7 @@ class ModelRunner:
         slots = num_blocks * block_size
         self.plans = [_LayerPlan(layer) for layer in self.layers]
         self.final_eps = _eps(self.norm)
+        self.segments = self._segments() if self._native_attention else [(0, len(self.plans), None)]
         self._decode_fn: Callable[..., torch.Tensor] | None = None
         if compile_decode:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=True)
@@ -158,6 +188,26 @@ class ModelRunner:
             torch.zeros(slots, self.num_kv_heads, self.head_dim, dtype=kv_dtype, device=self.device)
             for _ in self.layers
         ]
+
+    def _segments(self) -> list[tuple[int, int, native.DecodeLayers | None]]:
+        """Runs of consecutive layers: (start, end, tensors) for a run the fused native step executes, (start,
+        end, None) for one the per-layer loop runs (say, int4 or bitsandbytes projections)."""
+        segments: list[tuple[int, int, native.DecodeLayers | None]] = []
+        for index, plan in enumerate(self.plans):
+            projections = plan.native_projections()
+            if segments and (segments[-1][2] is not None) == (projections is not None):
+                start, _end, run = segments.pop()
+            else:
+                start, run = index, native.DecodeLayers() if projections is not None else None
+            if run is not None and projections is not None:
+                run.add(
+                    plan.input_norm.weight,
+                    plan.post_norm.weight,
+                    (plan.input_eps, plan.post_eps),
+                    projections,
+                )
+            segments.append((start, index + 1, run))
+        return segments
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)
@@ -287,27 +337,79 @@ class ModelRunner:
             decode_mask = ((keys >= first) & (keys < length))[:, None, None, :]  # [D, 1, 1, L]
         hidden = self.embed(input_ids)  # [T, H]
         cos, sin = self.rotary(hidden[None], positions[None])
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, d]
+        cos, sin = cos[0], sin[0]  # [T, d]
+        fused = (
+            not prefills
+            and decode_mask is None
+            and hidden.dtype == torch.float32
+            and hidden.shape[0] <= native.MAX_ROWS
+            and not torch.compiler.is_compiling()
+        )
+        for start, end, native_run in self.segments:
+            if fused and native_run is not None:
+                hidden = native.decode_layers(
+                    hidden,
+                    cos,
+                    sin,
+                    native_run,
+                    self.k_cache[start:end],
+                    self.v_cache[start:end],
+                    slots,
+                    decode_slots,
+                    decode_bounds[0],
+                    decode_bounds[1],
+                    self.num_heads,
+                    self.num_kv_heads,
+                    self.scale,
+                )
+                continue
+            for index in range(start, end):
+                hidden = self._layer(
+                    index,
+                    hidden,
+                    cos,
+                    sin,
+                    slots,
+                    num_decode,
+                    decode_slots,
+                    decode_mask,
+                    decode_bounds,
+                    prefills,
+                )
+        last = _rms_norm(hidden.index_select(0, sample_rows), self.norm.weight, self.final_eps)
+        return self._head(last)
+
+    def _layer(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        num_decode: int,
+        decode_slots: torch.Tensor,
+        decode_mask: torch.Tensor | None,
+        decode_bounds: torch.Tensor,
+        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        plan = self.plans[index]
         tokens = hidden.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         rotated = heads + kv_heads
-        for index, plan in enumerate(self.plans):
-            qkv = plan.qkv(_rms_norm(hidden, plan.input_norm.weight, plan.input_eps))
-            qk = qkv[:, : rotated * head_dim].reshape(tokens, rotated, head_dim)
-            qk = qk * cos + rotate_half(qk) * sin  # RoPE on q and k heads in one pass
-            k = qk[:, heads:]
-            v = qkv[:, rotated * head_dim :].reshape(tokens, kv_heads, head_dim)
-            if k.dtype != self.kv_dtype:
-                k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
-            self.k_cache[index].index_copy_(0, slots, k)
-            self.v_cache[index].index_copy_(0, slots, v)
-            attended = self._attention(
-                index, qk[:, :heads], num_decode, decode_slots, decode_mask, decode_bounds, prefills
-            )
-            hidden = hidden + plan.o(attended)
-            hidden = hidden + plan.mlp(_rms_norm(hidden, plan.post_norm.weight, plan.post_eps))
-        last = _rms_norm(hidden.index_select(0, sample_rows), self.norm.weight, self.final_eps)
-        return self._head(last)
+        qkv = plan.qkv(_rms_norm(hidden, plan.input_norm.weight, plan.input_eps))
+        qk = qkv[:, : rotated * head_dim].reshape(tokens, rotated, head_dim)
+        qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]  # RoPE on q and k heads in one pass
+        k = qk[:, heads:]
+        v = qkv[:, rotated * head_dim :].reshape(tokens, kv_heads, head_dim)
+        if k.dtype != self.kv_dtype:
+            k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
+        self.k_cache[index].index_copy_(0, slots, k)
+        self.v_cache[index].index_copy_(0, slots, v)
+        attended = self._attention(
+            index, qk[:, :heads], num_decode, decode_slots, decode_mask, decode_bounds, prefills
+        )
+        hidden = hidden + plan.o(attended)
+        return hidden + plan.mlp(_rms_norm(hidden, plan.post_norm.weight, plan.post_eps))
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """The FP32 LM head: up to `native.MAX_ROWS` rows on CPU through the weight-streaming kernel (one

@@ -1,0 +1,127 @@
+"""The fused native decode step (`native.decode_layers`: all decoder layers of a decode step in one call)
+against the per-layer loop it replaces, on quantized Llama and Qwen2 models whose layers mix int8, bf16 and
+FP32 projections (q/k/v split over two weight types), with a layer the fused step can't run (int4) in the
+middle, a bf16 KV pool and a sliding window."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from quantize import native
+from quantize.models import load_tokenizer
+from quantize.modules import handler_for
+from quantize.schemes import BF16, Int4, Int8, Scheme
+from quantize.surgery import QuantizedWeight, install
+from serve.engine import Engine, EngineConfig, RequestOutput
+from serve.sequence import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="needs a C++ compiler and an AVX2 CPU",
+)
+
+PROMPTS = [[1, 5, 9, 33, 71], [1, 200], list(range(40, 77)), [1, 300, 301, 302]]
+
+
+def _scheme(fqn: str) -> Scheme | None:
+    layer = int(fqn.split(".")[2])
+    if layer == 2 and fqn.endswith("down_proj"):
+        return Int4(group_size=32)  # the fused step can't run this layer: the loop takes it
+    if fqn.endswith(("v_proj", "down_proj")):
+        return BF16()  # q/k/v become two parts: int8 q/k, bf16 v
+    if layer == 3 and fqn.endswith("o_proj"):
+        return None  # an FP32 projection
+    return Int8()
+
+
+def _model(arch: str, window: int | None) -> nn.Module:
+    torch.manual_seed(3)
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(
+            Qwen2Config(**common, use_sliding_window=window is not None, sliding_window=window)
+        )
+    model.eval()
+    for fqn, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and ".layers." in fqn and (scheme := _scheme(fqn)) is not None:
+            tensors = handler_for(scheme).quantize(scheme, module.weight.detach())
+            install(model, fqn, QuantizedWeight(scheme, "rtn", tensors, module.bias))
+    return model
+
+
+def _generate(engine: Engine) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
+    outputs: dict[str, list[int]] = {}
+    logits: list[torch.Tensor] = []
+    run = engine.runner.run
+
+    def recording(batch):  # type: ignore[no-untyped-def]
+        out = run(batch)
+        logits.append(out.clone())
+        return out
+
+    engine.runner.run = recording  # type: ignore[method-assign]
+
+    def collect(output: RequestOutput) -> None:
+        outputs.setdefault(output.request_id, []).extend(output.token_ids)
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for index, prompt in enumerate(PROMPTS):
+        engine.add(f"r{index}", prompt, params, collect)
+    while engine.has_work():
+        engine.step()
+    return outputs, logits
+
+
+@pytest.mark.parametrize(
+    ("arch", "window", "kv_dtype"),
+    [("llama", None, torch.float32), ("qwen2", 16, torch.bfloat16), ("qwen2", None, torch.float32)],
+)
+def test_fused_decode_step_matches_the_layer_loop(
+    tiny_llama, arch: str, window: int | None, kv_dtype
+) -> None:
+    model = _model(arch, window)
+    tokenizer = load_tokenizer(str(tiny_llama))
+    config = EngineConfig(block_size=4, kv_memory="4MB", kv_dtype=kv_dtype, max_num_batched_tokens=16)
+    fused = Engine(model, tokenizer, config)
+    assert native.ready()
+    kinds = [(start, end, run is not None) for start, end, run in fused.runner.segments]
+    assert kinds == [(0, 2, True), (2, 3, False), (3, 5, True)]
+    loop = Engine(model, tokenizer, config)
+    loop.runner.segments = [(0, 5, None)]
+
+    calls: list[int] = []
+    real = native.decode_layers
+
+    def spy(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        calls.append(hidden.shape[0])
+        return real(hidden, *args, **kwargs)
+
+    native.decode_layers = spy  # type: ignore[assignment]
+    try:
+        fused_tokens, fused_logits = _generate(fused)
+        assert calls and max(calls) == len(PROMPTS)  # decode-only steps of 1..4 sequences went through it
+        calls.clear()
+        loop_tokens, loop_logits = _generate(loop)
+        assert not calls
+    finally:
+        native.decode_layers = real  # type: ignore[assignment]
+    assert fused_tokens == loop_tokens
+    assert len(fused_logits) == len(loop_logits)
+    for got, expected in zip(fused_logits, loop_logits, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
