@@ -335,12 +335,23 @@ class Int4Linear(QuantLinear):
             "scale_and_zeros", P.int4_cpu_scale_and_zeros(scale, zero_point, torch.bfloat16), persistent=False
         )
 
+    def native_ok(self) -> bool:
+        """Whether `native.linear` can run these weights (its int4 kernel reads groups of 32 inputs)."""
+        return (
+            self.group_size % 32 == 0
+            and self.qweight.device.type == "cpu"
+            and self.scale.dtype == torch.float16
+            and self.zero_point.dtype == torch.uint8
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if x.is_cuda:
             y = torch.ops.aten._weight_int4pack_mm(
                 x2.to(torch.bfloat16), self.packed, self.group_size, self.scale_and_zeros
             )
+        elif native.takes(x2) and self.native_ok():
+            y = native.linear(x2.to(torch.float32), self.qweight, self.scale, None, self.zero_point)
         elif x2.shape[0] >= self.dense_min_rows:
             weight = P.dequantize_int4(
                 P.unpack_int4(self.qweight), self.scale, self.zero_point, self.group_size

@@ -115,26 +115,49 @@ inline void row_dot(const float* x, int64_t K, const W* w, float* out) {
 
 // A linear layer's weight as the kernels see it: [N, >= K] rows (float32, int8 or bfloat16), optional
 // per-row scale and bias.
+// kind kByte: int4, two per byte along K (low nibble first), dequantized per group of `group` inputs as
+// (q - group_zero) * group_scale.
 struct Lin {
   at::ScalarType kind;
   const void* w;
-  int64_t ldw, N;
+  int64_t ldw, N, K;  // K: the inputs a row holds
   const float* scale;
   const float* bias;
+  const at::Half* group_scale = nullptr;
+  const uint8_t* group_zero = nullptr;
+  int64_t group = 0;
 };
 
-Lin as_lin(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias) {
+// weight [N, >= K] float32, int8 or bfloat16 with scale [N] float32 or empty; or int4 weight [N, K/2] uint8
+// with scale [N, K/g] float16 and zero_point [N, K/g] uint8; bias [N] float32 or empty.
+Lin as_lin(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias,
+           const torch::Tensor& zero_point) {
   TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1, "weight: [N, >=K] with contiguous rows");
   const int64_t N = w.size(0);
-  TORCH_CHECK(!scale.numel() || (scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous()),
-              "scale: [N] float32");
   TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == N && bias.is_contiguous()),
               "bias: [N] float32");
+  const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
   auto kind = w.scalar_type();
+  if (zero_point.numel()) {
+    TORCH_CHECK(kind == at::kByte, "int4 weight: [N, K/2] uint8");
+    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 2 && scale.size(0) == N && scale.is_contiguous(),
+                "int4 scale: [N, K/g] float16");
+    TORCH_CHECK(zero_point.scalar_type() == at::kByte && zero_point.sizes() == scale.sizes() &&
+                    zero_point.is_contiguous(),
+                "int4 zero_point: [N, K/g] uint8");
+    const int64_t K = 2 * w.size(1), groups = scale.size(1);
+    TORCH_CHECK(groups > 0 && K % groups == 0 && (K / groups) % 32 == 0, "int4 groups: a multiple of 32 inputs");
+    Lin L{kind, w.data_ptr(), w.stride(0), N, K, nullptr, b};
+    L.group_scale = scale.data_ptr<at::Half>();
+    L.group_zero = zero_point.data_ptr<uint8_t>();
+    L.group = K / groups;
+    return L;
+  }
+  TORCH_CHECK(!scale.numel() || (scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous()),
+              "scale: [N] float32");
   TORCH_CHECK(kind == at::kFloat || kind == at::kChar || kind == at::kBFloat16,
-              "weight must be float32, int8 or bfloat16");
-  return Lin{kind, w.data_ptr(), w.stride(0), N, scale.numel() ? scale.data_ptr<float>() : nullptr,
-             bias.numel() ? bias.data_ptr<float>() : nullptr};
+              "weight must be float32, int8 or bfloat16 (or uint8 int4 with a zero point)");
+  return Lin{kind, w.data_ptr(), w.stride(0), N, w.size(1), scale.numel() ? scale.data_ptr<float>() : nullptr, b};
 }
 
 // The activation rows a linear reads: float32 for float/bf16 weights, and for int8 weights also as int16 with
@@ -147,7 +170,28 @@ struct Act {
   int64_t M, K;
   int16_t* q;
   float* scale;
-  bool quantized = false;
+  int16_t* q4;  // int4 weights: q with each 32 inputs reordered evens then odds (the nibble order), [M, K]
+  int32_t* block_sum;  // and its sums per 32 inputs [M, K / 32], for the zero points
+  bool quantized = false, quantized4 = false;
+
+  void quantize4() {
+    if (quantized4) return;
+    quantize();
+    for (int64_t m = 0; m < M; ++m) {
+      const int16_t* row = q + m * K;
+      int16_t* out = q4 + m * K;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        int32_t total = 0;
+        for (int64_t i = 0; i < 16; ++i) {
+          out[b * 32 + i] = row[b * 32 + 2 * i];
+          out[b * 32 + 16 + i] = row[b * 32 + 2 * i + 1];
+          total += row[b * 32 + 2 * i] + row[b * 32 + 2 * i + 1];
+        }
+        block_sum[m * (K / 32) + b] = total;
+      }
+    }
+    quantized4 = true;
+  }
 
   void quantize() {
     if (quantized) return;
@@ -190,6 +234,43 @@ inline void row_dot_i8(const int16_t* q, int64_t K, const int8_t* w, float* out)
     for (int64_t t = K16; t < K; ++t) tail += static_cast<int32_t>(q[j * K + t]) * w[t];
     out[j] = hsum(total[j]) + static_cast<float>(tail);
   }
+}
+
+// out[j] = sum_k q[j, k] * dequantized w[k] over MB int16 rows (q4 order) for an int4 row: per group g,
+// scale * (sum q * nibble - zero * sum q), exact in int32 within the group.
+template <int MB>
+inline void row_dot_i4(const int16_t* q4, const int32_t* block_sum, int64_t K, const uint8_t* w,
+                       const at::Half* group_scale, const uint8_t* group_zero, int64_t group, float* out) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const int64_t blocks = K / 32, per_group = group / 32;
+  __m256 total[MB];
+  float zero_terms[MB];
+  for (int j = 0; j < MB; ++j) total[j] = _mm256_setzero_ps(), zero_terms[j] = 0.f;
+  for (int64_t g = 0; g < K / group; ++g) {
+    __m256i acc[MB];
+    int32_t sums[MB];
+    for (int j = 0; j < MB; ++j) acc[j] = _mm256_setzero_si256(), sums[j] = 0;
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      prefetch(w + b * 16, 16);
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
+      const __m256i even = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low));
+      const __m256i odd = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low));
+      for (int j = 0; j < MB; ++j) {
+        const int16_t* qb = q4 + j * K + b * 32;
+        const __m256i pe = _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb)));
+        const __m256i po = _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 16)));
+        acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(pe, po));
+        sums[j] += block_sum[j * blocks + b];
+      }
+    }
+    const float s = static_cast<float>(group_scale[g]);
+    const int32_t z = group_zero[g];
+    for (int j = 0; j < MB; ++j) {
+      total[j] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(acc[j]), total[j]);
+      zero_terms[j] += s * static_cast<float>(z * sums[j]);
+    }
+  }
+  for (int j = 0; j < MB; ++j) out[j] = hsum(total[j]) - zero_terms[j];
 }
 
 inline void store_rows(const Lin& L, int64_t n, const float* out, const float* row_scale, int64_t m, int64_t mb,
@@ -252,8 +333,37 @@ void lin_cols_i8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_
   }
 }
 
+void lin_cols_i4(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
+  a.quantize4();
+  const uint8_t* w = static_cast<const uint8_t*>(L.w);
+  const int64_t K = a.K, groups = K / L.group;
+  float out[8];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * L.ldw;
+    const at::Half* gs = L.group_scale + n * groups;
+    const uint8_t* gz = L.group_zero + n * groups;
+    for (int64_t m = 0; m < a.M; m += 8) {
+      const int64_t mb = std::min<int64_t>(8, a.M - m);
+      const int16_t* qm = a.q4 + m * K;
+      const int32_t* bs = a.block_sum + m * (K / 32);
+      switch (mb) {
+        case 1: row_dot_i4<1>(qm, bs, K, row, gs, gz, L.group, out); break;
+        case 2: row_dot_i4<2>(qm, bs, K, row, gs, gz, L.group, out); break;
+        case 3: row_dot_i4<3>(qm, bs, K, row, gs, gz, L.group, out); break;
+        case 4: row_dot_i4<4>(qm, bs, K, row, gs, gz, L.group, out); break;
+        case 5: row_dot_i4<5>(qm, bs, K, row, gs, gz, L.group, out); break;
+        case 6: row_dot_i4<6>(qm, bs, K, row, gs, gz, L.group, out); break;
+        case 7: row_dot_i4<7>(qm, bs, K, row, gs, gz, L.group, out); break;
+        default: row_dot_i4<8>(qm, bs, K, row, gs, gz, L.group, out); break;
+      }
+      store_rows(L, n, out, a.scale, m, mb, y, ldy, accumulate);
+    }
+  }
+}
+
 void lin_range(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate = false) {
   switch (L.kind) {
+    case at::kByte: lin_cols_i4(L, a, y, ldy, n0, n1, accumulate); break;
     case at::kFloat: lin_cols<float>(L, a.x, a.M, a.K, y, ldy, n0, n1, accumulate); break;
     case at::kChar: lin_cols_i8(L, a, y, ldy, n0, n1, accumulate); break;
     default: lin_cols<at::BFloat16>(L, a.x, a.M, a.K, y, ldy, n0, n1, accumulate); break;
@@ -384,8 +494,12 @@ void run_layers(float* h, int64_t D, int64_t Hd, const float* cos, const float* 
   {
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
     std::vector<float> scores(std::max<int64_t>(L, 1)), row_scale(D), xn(D * Hd);
-    std::vector<int16_t> q(D * std::max({Hd, H * d, I}));
-    auto input = [&](const float* x, int64_t K) { return Act{x, D, K, q.data(), row_scale.data()}; };
+    const int64_t widest = std::max({Hd, H * d, I});
+    std::vector<int16_t> q(D * widest), q4(D * widest);
+    std::vector<int32_t> block_sum(D * (widest / 32 + 1));
+    auto input = [&](const float* x, int64_t K) {
+      return Act{x, D, K, q.data(), row_scale.data(), q4.data(), block_sum.data()};
+    };
     auto norm = [&](const float* weight, float eps) {
       for (int64_t m = 0; m < D; ++m) norm_row(h + m * Hd, weight, Hd, eps, xn.data() + m * Hd);
     };
@@ -484,10 +598,11 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
   size_t next = 0;
   auto proj = [&](int64_t count, int64_t K, int64_t N, const char* what) {
     Proj P;
-    for (int64_t j = 0; j < count; ++j, next += 3) {
-      TORCH_CHECK(next + 3 <= linears.size(), "linears: 3 tensors per part");
-      TORCH_CHECK(linears[next].dim() == 2 && linears[next].size(1) >= K, what, ": weight [N, >= K]");
-      P.add(as_lin(linears[next], linears[next + 1], linears[next + 2]));
+    for (int64_t j = 0; j < count; ++j, next += 4) {
+      TORCH_CHECK(next + 4 <= linears.size(), "linears: 4 tensors per part");
+      const Lin L = as_lin(linears[next], linears[next + 1], linears[next + 2], linears[next + 3]);
+      TORCH_CHECK(L.K == K || (L.K > K && L.kind != at::kByte), what, ": weight holds ", L.K, " inputs, expected ", K);
+      P.add(L);
     }
     TORCH_CHECK(N < 0 || P.N == N, what, ": ", P.N, " output rows, expected ", N);
     return P;
@@ -587,19 +702,24 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
-// x [M, K] float32; weight [N, >= K] (float32, int8 or bfloat16, rows contiguous); scale [N] float32 or
-// empty; bias [N] float32 or empty -> [M, N] float32.
-torch::Tensor linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, torch::Tensor bias) {
+// x [M, K] float32; weight [N, >= K] (float32, int8 or bfloat16, rows contiguous) with scale [N] float32 or
+// empty, or int4 weight [N, K/2] uint8 with scale [N, K/g] float16 and zero_point [N, K/g] uint8; bias [N]
+// float32 or empty -> [M, N] float32.
+torch::Tensor linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, torch::Tensor bias,
+                     torch::Tensor zero_point) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: [M, K] float32");
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) >= x.size(1), "weight: [N, >=K]");
-  const Lin L = as_lin(weight, scale, bias);
+  const Lin L = as_lin(weight, scale, bias, zero_point);
   const int64_t M = x.size(0), K = x.size(1), N = L.N;
+  TORCH_CHECK(L.K == K || (L.K > K && L.kind != at::kByte), "weight holds ", L.K, " inputs, x has ", K);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  std::vector<int16_t> q(L.kind == at::kChar ? M * K : 0);
+  const bool integer = L.kind == at::kChar || L.kind == at::kByte;
+  std::vector<int16_t> q(integer ? M * K : 0), q4(L.kind == at::kByte ? M * K : 0);
+  std::vector<int32_t> block_sum(L.kind == at::kByte ? M * (K / 32) : 0);
   std::vector<float> row_scale(M);
-  Act a{xp, M, K, q.data(), row_scale.data()};
+  Act a{xp, M, K, q.data(), row_scale.data(), q4.data(), block_sum.data()};
+  if (L.kind == at::kByte) a.quantize4();  // before the threads share it
   if (L.kind == at::kChar) a.quantize();
   auto run = [&] {
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { lin_range(L, a, yp, N, begin, end); });
@@ -607,6 +727,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
   switch (L.kind) {
     case at::kFloat: { RECORD_FUNCTION("qpack::linear_fp32", std::vector<c10::IValue>()); run(); break; }
     case at::kChar: { RECORD_FUNCTION("qpack::linear_int8", std::vector<c10::IValue>()); run(); break; }
+    case at::kByte: { RECORD_FUNCTION("qpack::linear_int4", std::vector<c10::IValue>()); run(); break; }
     default: { RECORD_FUNCTION("qpack::linear_bf16", std::vector<c10::IValue>()); run(); break; }
   }
   return y;
@@ -722,8 +843,11 @@ def linear(
     weight: torch.Tensor,
     scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    zero_point: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] float32 @ weight[:, :K].T (float32/int8/bfloat16) * scale[N] + bias[N] -> [M, N] float32.
+    """x [M, K] float32 @ weight[:, :K].T (float32/int8/bfloat16) * scale[N] + bias[N] -> [M, N] float32; with
+    `zero_point`, weight is int4 [N, K/2] uint8 (low nibble first) dequantized per group as (q - zero_point)
+    * scale (both [N, K/g], scale float16, g a multiple of 32).
     Call only when `ready()`. Eager calls go straight to the extension (no dispatcher round trip: a decode
     step makes ~120 of them); inside torch.compile it is the opaque custom op `qpack::small_batch_linear`."""
     empty = x.new_empty(0)
@@ -732,6 +856,7 @@ def linear(
         weight,
         empty if scale is None else scale,
         empty if bias is None else bias.float(),
+        empty if zero_point is None else zero_point,
     )
     if torch.compiler.is_compiling():
         return _small_batch_linear(*args)
@@ -742,15 +867,17 @@ def linear(
 
 @torch.library.custom_op("qpack::small_batch_linear", mutates_args=())
 def _small_batch_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, zero_point: torch.Tensor
 ) -> torch.Tensor:
     module = _module
     assert module is not None, "native kernels are not loaded: call enable() first"
-    return module.linear(x, weight, scale, bias)
+    return module.linear(x, weight, scale, bias, zero_point)
 
 
 @_small_batch_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, zero_point: torch.Tensor
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -826,14 +953,16 @@ def decode_layers(
     )
 
 
-Part = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # weight [N, >= K], scale [N], bias [N]
+# weight, scale, bias, zero_point: int8 [N, >= K] with scale [N]; bf16 or float32 [N, >= K]; int4 [N, K/2]
+# uint8 with float16 scale and uint8 zero_point [N, K/g]. bias [N].
+Part = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 @dataclass
 class DecodeLayers:
     """Consecutive decoder layers' tensors in the order `decode_layers` reads them. Each projection (q/k/v, o,
-    gate/up, down) is one or more parts, each an int8 (per-row scale), bf16 or FP32 weight whose output rows
-    follow the previous part's."""
+    gate/up, down) is one or more parts, each an int8 (per-row scale), int4 (per-group scale and zero point),
+    bf16 or FP32 weight whose output rows follow the previous part's."""
 
     norms: list[torch.Tensor] = field(default_factory=list)
     linears: list[torch.Tensor] = field(default_factory=list)
@@ -853,9 +982,12 @@ class DecodeLayers:
         self.eps += list(eps)
         for parts in projections:
             self.parts.append(len(parts))
-            for weight, scale, bias in parts:
+            for weight, scale, bias, zero_point in parts:
+                if scale is not None and zero_point is None:
+                    scale = scale.to(torch.float32)
                 self.linears += [
                     weight.detach(),
-                    empty if scale is None else scale.detach().to(torch.float32).contiguous(),
+                    empty if scale is None else scale.detach().contiguous(),
                     empty if bias is None else bias.detach().to(torch.float32).contiguous(),
+                    empty if zero_point is None else zero_point.detach().contiguous(),
                 ]

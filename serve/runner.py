@@ -88,7 +88,7 @@ class _LayerPlan:
 
     def native_projections(self) -> list[list[native.Part]] | None:
         """The layer's q/k/v, o, gate/up and down as `native.decode_layers` parts, or None when the fused
-        native step can't run it (a linear that is not int8/bf16/FP32, an activation other than SiLU)."""
+        native step can't run it (a linear that is not int8/int4/bf16/FP32, an activation other than SiLU)."""
         if type(self.act).__name__ not in ("SiLU", "SiLUActivation"):
             return None
         if any(norm.weight.dtype != torch.float32 for norm in (self.input_norm, self.post_norm)):
@@ -101,16 +101,18 @@ class _LayerPlan:
 
 
 def _native_part(module: nn.Module) -> native.Part | None:
-    """(weight, scale, bias) of a linear the native kernels execute as stored."""
-    from quantize.modules import HalfLinear, Int8Linear
+    """(weight, scale, bias, zero_point) of a linear the native kernels execute as stored."""
+    from quantize.modules import HalfLinear, Int4Linear, Int8Linear
 
     bias = getattr(module, "bias", None)
     if type(module) is nn.Linear and module.weight.dtype == torch.float32:
-        return module.weight, None, bias
+        return module.weight, None, bias, None
     if isinstance(module, Int8Linear):
-        return module.qweight, module.scale, bias
+        return module.qweight, module.scale, bias, None
+    if isinstance(module, Int4Linear) and module.native_ok():
+        return module.qweight, module.scale, bias, module.zero_point
     if isinstance(module, HalfLinear) and module.weight.dtype == torch.bfloat16:
-        return module.weight, None, bias
+        return module.weight, None, bias, None
     return None
 
 

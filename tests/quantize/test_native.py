@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from quantize import native
-from quantize.modules import HalfLinear, Int8Linear
-from quantize.schemes import BF16, Int8
+from quantize import primitives as P
+from quantize.modules import HalfLinear, Int4Handler, Int4Linear, Int8Linear
+from quantize.schemes import BF16, Int4, Int8
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
@@ -50,6 +51,33 @@ def test_every_weight_type_matches_torch(rows: int, k: int) -> None:
         assert (got - exact).abs().mean() * 20 < (bf16_x - exact).abs().mean()
     half = weight.to(torch.bfloat16)
     torch.testing.assert_close(native.linear(x, half), F.linear(x, half.float()), **close)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_weights_match_their_dequantized_form(rows: int, group_size: int) -> None:
+    generator = torch.Generator().manual_seed(rows * 100 + group_size)
+    n, k = 40, 192
+    weight = torch.randn(n, k, generator=generator)
+    x = torch.randn(rows, k, generator=generator) * 3
+    tensors = Int4Handler().quantize(Int4(group_size=group_size), weight)
+    q = P.unpack_int4(tensors["qweight"])
+    dequantized = P.dequantize_int4(q, tensors["scale"], tensors["zero_point"], group_size).double()
+    bias = torch.randn(n, generator=generator)
+    exact = F.linear(x.double(), dequantized, bias.double())
+    got = native.linear(x, tensors["qweight"], tensors["scale"], bias, tensors["zero_point"]).double()
+    # x rounded to int16 per row: each |x| off by <= max|x| / 65534
+    bound = dequantized.abs().sum(1) * (x.double().abs().amax(1, keepdim=True) / 65534)
+    assert ((got - exact).abs() <= bound + 1e-4).all()
+    assert (got - exact).abs().max() < 0.01 * exact.abs().mean()
+    module = Int4Linear(
+        Int4(group_size=group_size), tensors["qweight"], tensors["scale"], tensors["zero_point"], bias
+    )
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x).double(), got, rtol=1e-6, atol=1e-5)  # routed to the kernel
+        torch.testing.assert_close(
+            module(x.repeat(150 // rows, 1))[:rows].double(), exact, rtol=1e-3, atol=1e-3
+        )
 
 
 def test_quantized_modules_route_small_batches_and_stay_exact() -> None:

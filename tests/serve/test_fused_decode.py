@@ -1,7 +1,7 @@
 """The fused native decode step (`native.decode_layers`: all decoder layers of a decode step in one call)
-against the per-layer loop it replaces, on quantized Llama and Qwen2 models whose layers mix int8, bf16 and
-FP32 projections (q/k/v split over two weight types), with a layer the fused step can't run (int4) in the
-middle, a bf16 KV pool and a sliding window."""
+against the per-layer loop it replaces, on quantized Llama and Qwen2 models whose layers mix int8, int4, bf16
+and FP32 projections (q/k/v split over two weight types), with a layer the fused step can't run (a float16
+projection) in the middle, a bf16 KV pool and a sliding window."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from quantize import native
 from quantize.models import load_tokenizer
 from quantize.modules import handler_for
-from quantize.schemes import BF16, Int4, Int8, Scheme
+from quantize.schemes import BF16, FP16, Int4, Int8, Scheme
 from quantize.surgery import QuantizedWeight, install
 from serve.engine import Engine, EngineConfig, RequestOutput
 from serve.sequence import SamplingParams
@@ -31,7 +31,9 @@ PROMPTS = [[1, 5, 9, 33, 71], [1, 200], list(range(40, 77)), [1, 300, 301, 302]]
 def _scheme(fqn: str) -> Scheme | None:
     layer = int(fqn.split(".")[2])
     if layer == 2 and fqn.endswith("down_proj"):
-        return Int4(group_size=32)  # the fused step can't run this layer: the loop takes it
+        return FP16()  # the native kernels read bf16, not float16, weights: the loop takes this layer
+    if (layer == 1 and fqn.endswith(("gate_proj", "up_proj"))) or (layer == 4 and "self_attn" in fqn):
+        return Int4(group_size=32)
     if fqn.endswith(("v_proj", "down_proj")):
         return BF16()  # q/k/v become two parts: int8 q/k, bf16 v
     if layer == 3 and fqn.endswith("o_proj"):
