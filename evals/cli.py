@@ -598,7 +598,10 @@ def serve(
         True, "--prefix-caching/--no-prefix-caching", help="Share cached prompt prefixes."
     ),
     compile_decode: bool = typer.Option(
-        False, "--compile", help="torch.compile the decode step (1-2 min warm-up at start, faster decode)."
+        False,
+        "--compile",
+        help="torch.compile the decode steps the fused native step doesn't cover (over 16 sequences, layers "
+        "it can't run, no native kernels); minutes of warm-up at start.",
     ),
 ) -> None:
     from serve.api import ServerInfo

@@ -195,13 +195,26 @@ struct Act {
 
   void quantize() {
     if (quantized) return;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t m = 0; m < M; ++m) {
       const float* row = x + m * K;
-      float peak = 0.f;
-      for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::fabs(row[k]));
+      __m256 peaks = _mm256_setzero_ps();
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8) peaks = _mm256_max_ps(peaks, _mm256_andnot_ps(sign, _mm256_loadu_ps(row + k)));
+      float lanes[8];
+      _mm256_storeu_ps(lanes, peaks);
+      float peak = *std::max_element(lanes, lanes + 8);
+      for (; k < K; ++k) peak = std::max(peak, std::fabs(row[k]));
       const float inv = peak > 0.f ? 32767.f / peak : 0.f;
+      const __m256 factor = _mm256_set1_ps(inv);
       int16_t* out = q + m * K;
-      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int16_t>(std::nearbyint(row[k] * inv));
+      for (k = 0; k + 16 <= K; k += 16) {  // round to nearest even, as std::nearbyint in the default mode
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k), factor));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k + 8), factor));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+      }
+      for (; k < K; ++k) out[k] = static_cast<int16_t>(std::nearbyint(row[k] * inv));
       scale[m] = peak / 32767.f;
     }
     quantized = true;

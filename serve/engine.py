@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantize import native
 from serve.block_pool import BlockPool
 from serve.metrics import Metrics
 from serve.runner import ModelRunner, kv_bytes_per_token
@@ -93,7 +94,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     device: str = "cpu"
-    compile: bool = False  # torch.compile the decode step (minutes of warm-up, fewer per-op overheads)
+    # torch.compile the decode step (minutes of warm-up, fewer per-op overheads) for the decode steps the fused
+    # native step doesn't cover (more than native.MAX_ROWS sequences, layers it can't run, no native kernels)
+    compile: bool = False
 
 
 @dataclass
@@ -388,10 +391,12 @@ class Engine:
                         self._wake.wait(timeout=idle_wait)
 
     def warmup(self) -> None:
-        """Run one short request alone, then two together, before traffic arrives: a compiled decode step
-        builds its graphs (batch 1 and batch > 1) here instead of stalling the first users."""
+        """Run one short request alone, then two together, then more than the fused native step takes, before
+        traffic arrives: a compiled decode step builds its graphs (batch 1 and batch > 1) here instead of
+        stalling the first users."""
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        for group in (["warmup-0"], ["warmup-1", "warmup-2"]):
+        crowd = [f"warmup-crowd-{i}" for i in range(native.MAX_ROWS + 1)]
+        for group in (["warmup-0"], ["warmup-1", "warmup-2"], crowd):
             for request_id in group:
                 self.add(request_id, [1, 2, 3, 4, 5], params, lambda _output: None)
             while self.has_work():

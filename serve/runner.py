@@ -446,6 +446,15 @@ class ModelRunner:
             sample_rows,
         )
 
+    def fused_covers(self, batch: StepBatch) -> bool:
+        """Whether every layer of this step runs in the fused native decode step (then a compiled step has
+        nothing left to speed up)."""
+        return (
+            not batch.prefills
+            and batch.num_decode <= native.MAX_ROWS
+            and all(run is not None for _start, _end, run in self.segments)
+        )
+
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Run a prepared step; returns logits [S, vocab] for the items that sample, in schedule order (decodes
@@ -454,7 +463,7 @@ class ModelRunner:
         device = self.device
         if device.type != "cpu":
             batch = _to_device(batch, device)
-        if self._decode_fn is not None and not batch.prefills:
+        if self._decode_fn is not None and not batch.prefills and not self.fused_covers(batch):
             try:
                 logits = self._decode_fn(
                     batch.input_ids,

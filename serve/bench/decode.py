@@ -166,9 +166,15 @@ class _Artifact:
             wall = (time.perf_counter() - started) / steps
         while self.engine.has_work():
             self.engine.step()
-        categories = {"quantized kernels": 0.0, "dense matmul (LM head, FP layers)": 0.0, "attention": 0.0}
+        categories = {
+            "fused decoder layers (native: linears, attention, norms)": 0.0,
+            "quantized kernels": 0.0,
+            "dense matmul (LM head, FP layers)": 0.0,
+            "attention": 0.0,
+        }
         kernel_ops = (
             "qpack::linear_int8",
+            "qpack::linear_int4",
             "qpack::linear_bf16",
             "aten::_weight_int8pack_mm",
             "aten::_weight_int4pack_mm_for_cpu",
@@ -177,7 +183,9 @@ class _Artifact:
         other = 0.0
         for event in prof.key_averages():
             seconds = event.self_cpu_time_total / 1e6 / steps
-            if event.key in kernel_ops:
+            if event.key == "qpack::decode_layers":
+                categories["fused decoder layers (native: linears, attention, norms)"] += seconds
+            elif event.key in kernel_ops:
                 categories["quantized kernels"] += seconds
             elif event.key in (
                 "qpack::linear_fp32",

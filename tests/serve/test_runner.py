@@ -99,10 +99,21 @@ def test_compiled_decode_matches_eager(tiny_llama) -> None:
     expected = [hf_greedy(model, p, 6) for p in PROMPTS[:3]]
     config = EngineConfig(block_size=4, kv_memory="8MB", compile=True)
     engine = Engine(model, tokenizer, config)
+    engine.runner.segments = [(0, len(engine.runner.plans), None)]  # as for layers the fused step can't run
+    compiled = engine.runner._decode_fn
+    assert compiled is not None
+    calls = []
+
+    def counting(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return compiled(*args)
+
+    engine.runner._decode_fn = counting
     engine.warmup()
     outputs = run(engine, PROMPTS[:3], params)
     assert [outputs[f"r{i}"] for i in range(3)] == expected
-    assert engine.runner._decode_fn is not None  # still compiled: no fallback to eager happened
+    assert engine.runner._decode_fn is counting  # still compiled: no fallback to eager happened
+    assert 1 in calls and 3 in calls
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
