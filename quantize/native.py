@@ -746,11 +746,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
   return y;
 }
 
+// The GIL is released while a kernel runs (as torch's own ops do): the serving engine steps in a background
+// thread, and the HTTP event loop must keep answering during a 10-20 ms decode step.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "small-batch weight-streaming linear");
-  m.def("decode_attention", &decode_attention, "paged attention of one new token per sequence");
-  m.def("rms_norm", &rms_norm, "Llama RMSNorm over rows");
-  m.def("decode_layers", &decode_layers, "decoder layers of a decode step in one parallel region");
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("linear", &linear, "small-batch weight-streaming linear", release());
+  m.def("decode_attention", &decode_attention, "paged attention of one new token per sequence", release());
+  m.def("rms_norm", &rms_norm, "Llama RMSNorm over rows", release());
+  m.def("decode_layers", &decode_layers, "decoder layers of a decode step in one parallel region", release());
 }
 """
 

@@ -66,12 +66,15 @@ class _PeakRss:
 
 def decode_bytes(model: nn.Module) -> int:
     """Bytes the decode path reads per token at batch 1: every linear's weights (as stored), norms, head."""
+    from quantize import native
     from quantize.modules import HalfLinear, Int4Linear, Int8Linear, QuantLinear, W8A8Linear
 
     total = 0
     for module in model.modules():
         if isinstance(module, Int8Linear | W8A8Linear):
             tensors = [module.qweight, module.scale]
+        elif isinstance(module, Int4Linear) and native.ready() and module.native_ok():
+            tensors = [module.qweight, module.scale, module.zero_point]  # what the native kernels read
         elif isinstance(module, Int4Linear):
             tensors = [module.packed, module.scale_and_zeros]
         elif isinstance(module, HalfLinear):

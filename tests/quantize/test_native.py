@@ -162,3 +162,32 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(monkeypatch, tmp_pat
     os.utime(lock, (old, old))
     native._build_folder()
     assert not lock.exists()
+
+
+def test_kernels_release_the_gil() -> None:
+    """The serving engine steps in a background thread: Python threads (the HTTP loop) must run meanwhile."""
+    import threading
+
+    weight = torch.randn(4096, 4096)
+    x = torch.randn(1, 4096)
+    native.linear(x, weight)
+    count = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        progress = []
+        for _ in range(5):
+            before = count[0]
+            for _ in range(5):
+                native.linear(x, weight)
+            progress.append(count[0] - before)
+    finally:
+        stop.set()
+        thread.join()
+    assert max(progress) > 1000, progress
