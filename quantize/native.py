@@ -57,15 +57,11 @@ _SOURCE = r"""
 namespace {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
 inline __m256 load8(const at::BFloat16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 inline float scalar(float v) { return v; }
-inline float scalar(int8_t v) { return static_cast<float>(v); }
 inline float scalar(at::BFloat16 v) { return static_cast<float>(v); }
 inline void store(float* p, float v) { *p = v; }
 inline void store(at::BFloat16* p, float v) { *p = at::BFloat16(v); }
