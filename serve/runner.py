@@ -13,9 +13,9 @@ each sequence's context through its block table:
 Only the last position of sequences that sample this step goes through the final norm and LM head.
 
 Decode at small batch is dominated by per-op overhead and weight reads. A step of decodes only (up to
-`native.MAX_ROWS` sequences) runs each run of consecutive layers whose projections are int8/bf16/FP32 as one
-`native.decode_layers` call; other layers (int4, bitsandbytes), prefill steps, and machines without the native
-kernels take the per-layer loop, where q/k/v and gate/up projections that share an input are fused into one
+`native.MAX_ROWS` sequences) runs each run of consecutive layers whose projections are int8/int4/bf16/FP32 as
+one `native.decode_layers` call; other layers (float16, bitsandbytes), prefill steps, and machines without the
+native kernels take the per-layer loop, where q/k/v and gate/up projections that share an input are fused into one
 kernel call each (when they have the same scheme) and norms use the fused `rms_norm` op.
 """
 
@@ -193,7 +193,7 @@ class ModelRunner:
 
     def _segments(self) -> list[tuple[int, int, native.DecodeLayers | None]]:
         """Runs of consecutive layers: (start, end, tensors) for a run the fused native step executes, (start,
-        end, None) for one the per-layer loop runs (say, int4 or bitsandbytes projections)."""
+        end, None) for one the per-layer loop runs (say, float16 or bitsandbytes projections)."""
         segments: list[tuple[int, int, native.DecodeLayers | None]] = []
         for index, plan in enumerate(self.plans):
             projections = plan.native_projections()
@@ -340,13 +340,7 @@ class ModelRunner:
         hidden = self.embed(input_ids)  # [T, H]
         cos, sin = self.rotary(hidden[None], positions[None])
         cos, sin = cos[0], sin[0]  # [T, d]
-        fused = (
-            not prefills
-            and decode_mask is None
-            and hidden.dtype == torch.float32
-            and hidden.shape[0] <= native.MAX_ROWS
-            and not torch.compiler.is_compiling()
-        )
+        fused = self._fuses(hidden.shape[0], bool(prefills)) and hidden.dtype == torch.float32
         for start, end, native_run in self.segments:
             if fused and native_run is not None:
                 hidden = native.decode_layers(
@@ -446,13 +440,21 @@ class ModelRunner:
             sample_rows,
         )
 
+    def _fuses(self, num_rows: int, has_prefills: bool) -> bool:
+        """Whether a step's native segments run as fused decode steps: decodes only, at most
+        `native.MAX_ROWS` of them, native kernels loaded, not being traced by torch.compile."""
+        return (
+            not has_prefills
+            and num_rows <= native.MAX_ROWS
+            and self._native_attention
+            and not torch.compiler.is_compiling()
+        )
+
     def fused_covers(self, batch: StepBatch) -> bool:
         """Whether every layer of this step runs in the fused native decode step (then a compiled step has
         nothing left to speed up)."""
-        return (
-            not batch.prefills
-            and batch.num_decode <= native.MAX_ROWS
-            and all(run is not None for _start, _end, run in self.segments)
+        return self._fuses(batch.num_decode, bool(batch.prefills)) and all(
+            run is not None for _start, _end, run in self.segments
         )
 
     @torch.inference_mode()
