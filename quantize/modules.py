@@ -178,7 +178,11 @@ class FP16Handler(_FloatHandler):
 
 # ------------------------------------------------------------------------------------------------ int8
 
-_INT8_K_MULTIPLE = 8  # aten._weight_int8pack_mm on CPU reads K in vectors of 8 (K=172 crashes it)
+# aten._weight_int8pack_mm on CPU reads K in whole vectors with aligned loads and segfaults otherwise: on AVX2 K
+# in vectors of 8 (K=172 crashed), on AVX-512 K in vectors of 16 with the weight 16-byte and the bf16 activations
+# 32-byte aligned (K=40, a weight view at an 8-byte offset as safetensors lays tensors out, crashed; torch 2.13).
+_INT8_K_MULTIPLE = 16
+_KERNEL_ALIGNMENT = 64
 
 
 _SCRATCH = threading.local()
@@ -200,9 +204,17 @@ def _scratch(shape: torch.Size, device: torch.device) -> torch.Tensor:
     return buffer[:numel].view(int(shape[0]), int(shape[1]))
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous, in memory aligned for the CPU kernels' aligned vector loads (a copy only when it is not)."""
+    t = t.contiguous()
+    if t.device.type == "cpu" and t.data_ptr() % _KERNEL_ALIGNMENT:
+        t = t.clone()
+    return t
+
+
 def _pad_k(qweight: torch.Tensor) -> torch.Tensor:
     pad = (-qweight.shape[1]) % _INT8_K_MULTIPLE
-    return F.pad(qweight, (0, pad)).contiguous() if pad else qweight.contiguous()
+    return _aligned(F.pad(qweight, (0, pad)) if pad else qweight)
 
 
 def _int8_kernel(x2: torch.Tensor, kernel_weight: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
@@ -210,7 +222,7 @@ def _int8_kernel(x2: torch.Tensor, kernel_weight: torch.Tensor, unit: torch.Tens
     x16 = x2.to(torch.bfloat16)
     if kernel_weight.shape[1] != x16.shape[1]:
         x16 = F.pad(x16, (0, kernel_weight.shape[1] - x16.shape[1]))
-    return torch.ops.aten._weight_int8pack_mm(x16.contiguous(), kernel_weight, unit).to(torch.float32)
+    return torch.ops.aten._weight_int8pack_mm(_aligned(x16), kernel_weight, unit).to(torch.float32)
 
 
 class Int8Linear(QuantLinear):
@@ -223,7 +235,7 @@ class Int8Linear(QuantLinear):
         self.qweight: torch.Tensor
         self.scale: torch.Tensor
         self.unit: torch.Tensor
-        self.register_buffer("qweight", _pad_k(qweight), persistent=False)  # [N, K padded to 8] int8
+        self.register_buffer("qweight", _pad_k(qweight), persistent=False)  # [N, K padded to 16] int8
         self.register_buffer("scale", scale.to(torch.float32), persistent=False)  # [N]
         self.register_buffer("unit", torch.ones_like(scale, dtype=torch.bfloat16), persistent=False)
 
