@@ -33,6 +33,7 @@ from quantize.modules import QuantLinear
 from quantize.plan import Plan
 from quantize.schemes import Scheme
 from quantize.surgery import QuantizedWeight, install
+from quantize.tensorfile import read_safetensors
 
 FORMAT = "qpack.artifact"
 FORMAT_VERSION = 1
@@ -207,13 +208,13 @@ class LoadedArtifact:
 
 
 def load_artifact(
-    path: str | Path, device: str | torch.device = "cpu", verify: bool = True
+    path: str | Path, device: str | torch.device = "cpu", verify: bool = True, skeleton: bool = False
 ) -> LoadedArtifact:
-    """Rebuild a ready-to-run model from an artifact alone (no access to the original weights)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Rebuild a ready-to-run model from an artifact alone (no access to the original weights).
 
+    skeleton=False: the Hugging Face model (forward, generate), for evaluation. skeleton=True: the same modules
+    and weights in `quantize.skeleton`'s tree, without transformers' modeling code, for the serving runner
+    (which has its own forward); ~130 MB less resident in a server."""
     from quantize.models import _quiet_transformers, check_architecture
 
     root = Path(path).expanduser().resolve()
@@ -224,16 +225,21 @@ def load_artifact(
     _quiet_transformers()
     config_dict = read_json(root / "config.json", "artifact config")
     check_architecture(config_dict, str(root))
-    config = AutoConfig.from_pretrained(str(root))
-    try:
-        state = load_file(str(root / WEIGHTS_FILE), device=str(device))
-    except (OSError, SafetensorError) as exc:
-        raise QpackError(
-            f"artifact weights {root / WEIGHTS_FILE} are unreadable ({exc}); rebuild the artifact"
-        ) from None
+    state = read_safetensors(root / WEIGHTS_FILE, "artifact weights", "rebuild the artifact")
     plan = Plan.from_json(manifest["modules"])
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model: nn.Module
+    if skeleton:
+        from quantize.skeleton import SkeletonConfig, build_skeleton
+
+        config = SkeletonConfig.from_dict(config_dict, str(root / "config.json"))
+        model = build_skeleton(config, list(state))
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(str(root)), dtype=torch.float32
+            )
     model.eval()
     for fqn, scheme in plan.quantized().items():
         names = manifest["tensors"][fqn]
@@ -250,7 +256,7 @@ def load_artifact(
     if result.unexpected_keys:
         raise QpackError(f"artifact {root} has unexpected tensors {result.unexpected_keys[:5]}; rebuild it")
     rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=model.config).to(device)
+    model.model.rotary_emb = type(rotary)(config=model.config).to(device)  # type: ignore[operator]
     if getattr(model.config, "tie_word_embeddings", False) and isinstance(model.lm_head, nn.Linear):
         model.lm_head.weight = model.model.embed_tokens.weight
     leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]

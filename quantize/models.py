@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import tempfile
 import time
 from dataclasses import dataclass
@@ -122,27 +121,6 @@ def check_architecture(config: dict[str, Any], where: str) -> tuple[str, str]:
     return model_type, architecture or f"{SUPPORTED_MODEL_TYPES[model_type]}ForCausalLM"
 
 
-def check_safetensors(path: Path) -> None:
-    """Cheap integrity check of a safetensors file: header parses and the file is as long as it says."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            raw_len = handle.read(8)
-            if len(raw_len) < 8:
-                raise ValueError("file shorter than its 8-byte header length")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > min(size, 100_000_000):
-                raise ValueError("header length is larger than the file")
-            header = json.loads(handle.read(header_len))
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-        if size != 8 + header_len + end:
-            raise ValueError(f"file is {size} bytes but its header describes {8 + header_len + end}")
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise QpackError(
-            f"weights file {path} is corrupt or truncated ({exc}); re-download or re-convert the model"
-        ) from None
-
-
 def _check_folder(path: Path, where: str) -> tuple[str, str]:
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -163,8 +141,10 @@ def _check_folder(path: Path, where: str) -> tuple[str, str]:
             else ""
         )
         raise QpackError(f"model folder {path} has no *.safetensors weights{hint}")
+    from quantize.tensorfile import check_safetensors
+
     for weight in weights:
-        check_safetensors(weight)
+        check_safetensors(weight, "weights file", "re-download or re-convert the model")
     return model_type, architecture
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import rotate_half
 
 from quantize import native
 from serve.scheduler import Scheduled
@@ -118,6 +117,12 @@ def _native_part(module: nn.Module) -> native.Part | None:
 
 def _eps(norm: nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] -> [-x[d/2:], x[:d/2]] (Hugging Face's RoPE convention)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -39,7 +39,7 @@ def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -
     if (path / "manifest.json").is_file():
         from quantize.artifact import load_artifact
 
-        loaded = load_artifact(path, device=device)
+        loaded = load_artifact(path, device=device, skeleton=True)
         return LoadedModel(loaded.model, load_tokenizer(path), loaded.name, loaded.version, str(loaded.path))
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
@@ -52,10 +52,15 @@ def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -
 
 
 def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
+    """The engine, with the heap trimmed after it is built (fusing q/k/v and gate/up frees the unfused copies)."""
+    from quantize.memory import trim_heap
+
     try:
-        return Engine(loaded.model, loaded.tokenizer, config)
+        engine = Engine(loaded.model, loaded.tokenizer, config)
     except ValueError as exc:
         raise QpackError(str(exc)) from None
+    trim_heap()
+    return engine
 
 
 def describe(engine: Engine) -> str:

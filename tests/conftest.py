@@ -148,3 +148,29 @@ def make_calibration():
 @pytest.fixture()
 def queries_file(tmp_path: Path) -> Path:
     return write_queries(tmp_path / "queries.txt")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_artifact(tiny_qwen2_calibration: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen2 (q/k/v biases, untied head) artifact mixing int8, int4, bf16 and a linear kept FP32."""
+    from quantize.pipeline import QuantizeConfig, quantize_model
+    from quantize.sensitivity import SensitivityConfig
+
+    out = tmp_path_factory.mktemp("qwen2-artifact") / "art"
+    overrides = (
+        "_default=int8",
+        "re:.*up_proj=int4-g32",
+        "re:.*v_proj=bf16",
+        "model.layers.1.mlp.down_proj=keep",
+    )
+    quantize_model(
+        QuantizeConfig(
+            output=out,
+            calibration=tiny_qwen2_calibration,
+            overrides=overrides,
+            sensitivity=SensitivityConfig(num_tokens=64),
+            calib_tokens=512,
+            eval_tokens=256,
+        )
+    )
+    return out

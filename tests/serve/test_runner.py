@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantize.artifact import load_artifact
 from quantize.models import load_model, load_tokenizer, resolve_model
 from serve.engine import Engine, EngineConfig, RequestOutput
 from serve.sequence import SamplingParams
+from serve.server import load_for_serving
 
 PROMPTS = [
     [1, 5, 9, 33, 71],
@@ -65,6 +67,18 @@ def test_greedy_matches_hf_generate_alone_and_batched(model_and_tokenizer, chunk
         assert crowd[f"r{index}"] == expected[index % len(PROMPTS)], index
     assert engine.pool.num_free == engine.pool.num_blocks
     assert engine.pool.hit_rate > 0  # repeated prompts reused cached prefix blocks
+
+
+def test_an_artifact_serves_the_same_from_the_skeleton(tiny_qwen2_artifact) -> None:
+    """The server loads artifacts into the skeleton; the Hugging Face model of the same artifact decodes the same."""
+    lean = load_for_serving(str(tiny_qwen2_artifact))
+    hf = load_artifact(tiny_qwen2_artifact).model
+    assert type(lean.model).__name__ == "CausalLMSkeleton"
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(block_size=4, kv_memory="8MB", max_num_batched_tokens=7)
+    ours = run(Engine(lean.model, lean.tokenizer, config), PROMPTS, params)
+    theirs = run(Engine(hf, lean.tokenizer, config), PROMPTS, params)
+    assert ours == theirs and all(len(tokens) == 10 for tokens in ours.values())
 
 
 def test_preemption_under_a_tiny_pool_keeps_outputs_exact(model_and_tokenizer) -> None:
