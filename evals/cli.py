@@ -750,7 +750,12 @@ def bench_decode(
             "memory bound",
             f"{bound['artifact_bytes_per_token'] / 1e6:.0f} MB/token at {bound['bandwidth_gbs']:.1f} GB/s → {bound['ceiling_tokens_per_s']:.0f} tok/s ceiling",
         ),
-        ("batch 1 vs ceiling", f"{100 * (bound['batch1_fraction_of_ceiling'] or 0):.0f}%"),
+        (
+            "batch 1 vs ceiling",
+            "-"
+            if bound["batch1_fraction_of_ceiling"] is None
+            else f"{100 * bound['batch1_fraction_of_ceiling']:.0f}%",
+        ),
         (
             "batch-1 step",
             ", ".join(f"{k} {v:.1f} ms" for k, v in result["profile_batch1"]["breakdown_ms"].items()),

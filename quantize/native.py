@@ -41,7 +41,14 @@ import torch
 
 _log = logging.getLogger("qpack.native")
 
-MAX_ROWS = 16  # activation rows routed here; measured faster than torch's paths up to 16 rows (2-core AVX2)
+# Activation rows routed here, per build: measured faster than torch's paths up to 16 rows with the AVX2 kernels
+# (2-core AMD EPYC), up to 32 with the AVX-512 VNNI ones (2-core Xeon with AMX).
+_MAX_ROWS = {"avx2": 16, "avx512": 32}
+AVX512_FEATURES = ("avx512_f", "avx512_bw", "avx512_vl", "avx512_vnni")
+_ISA_FLAGS = {
+    "avx2": ["-mavx2", "-mfma"],
+    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+}
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -82,9 +89,45 @@ inline void prefetch(const W* w, int64_t count) {
   for (int64_t b = 0; b < count * static_cast<int64_t>(sizeof(W)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QPACK_AVX512 1
+#endif
+
+#ifdef QPACK_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // out[j] = sum_k x[j, k] * w[k] for MB activation rows; U independent accumulator chains per row.
 template <typename W, int MB, int U>
 inline void row_dot(const float* x, int64_t K, const W* w, float* out) {
+#ifdef QPACK_AVX512
+  __m512 acc[MB][U];
+  for (int j = 0; j < MB; ++j)
+    for (int u = 0; u < U; ++u) acc[j][u] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 * U <= K; k += 16 * U) {
+    prefetch(w + k, 16 * U);
+    for (int u = 0; u < U; ++u) {
+      const __m512 wv = load16(w + k + 16 * u);
+      for (int j = 0; j < MB; ++j)
+        acc[j][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + j * K + k + 16 * u), acc[j][u]);
+    }
+  }
+  for (; k + 16 <= K; k += 16) {
+    const __m512 wv = load16(w + k);
+    for (int j = 0; j < MB; ++j) acc[j][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + j * K + k), acc[j][0]);
+  }
+  for (int j = 0; j < MB; ++j) {
+    for (int u = 1; u < U; ++u) acc[j][0] = _mm512_add_ps(acc[j][0], acc[j][u]);
+    float s = _mm512_reduce_add_ps(acc[j][0]);
+    for (int64_t t = k; t < K; ++t) s += x[j * K + t] * scalar(w[t]);
+    out[j] = s;
+  }
+#else
   __m256 acc[MB][U];
   for (int j = 0; j < MB; ++j)
     for (int u = 0; u < U; ++u) acc[j][u] = _mm256_setzero_ps();
@@ -107,6 +150,7 @@ inline void row_dot(const float* x, int64_t K, const W* w, float* out) {
     for (int64_t t = k; t < K; ++t) s += x[j * K + t] * scalar(w[t]);
     out[j] = s;
   }
+#endif
 }
 
 // A linear layer's weight as the kernels see it: [N, >= K] rows (float32, int8 or bfloat16), optional
@@ -221,6 +265,29 @@ struct Act {
 // lane sums <= 256 products of magnitude <= 32767 * 128), blocks summed in float.
 template <int MB>
 inline void row_dot_i8(const int16_t* q, int64_t K, const int8_t* w, float* out) {
+#ifdef QPACK_AVX512
+  // vpdpwssd: 32 int8 weights widened once, one fused multiply-add per activation row.
+  __m512 total[MB];
+  for (int j = 0; j < MB; ++j) total[j] = _mm512_setzero_ps();
+  const int64_t K32 = K & ~int64_t(31);
+  int64_t k = 0;
+  while (k < K32) {
+    const int64_t end = std::min<int64_t>(K32, k + 2048);
+    __m512i acc[MB];
+    for (int j = 0; j < MB; ++j) acc[j] = _mm512_setzero_si512();
+    for (; k < end; k += 32) {
+      prefetch(w + k, 32);
+      const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
+      for (int j = 0; j < MB; ++j) acc[j] = _mm512_dpwssd_epi32(acc[j], wv, _mm512_loadu_si512(q + j * K + k));
+    }
+    for (int j = 0; j < MB; ++j) total[j] = _mm512_add_ps(total[j], _mm512_cvtepi32_ps(acc[j]));
+  }
+  for (int j = 0; j < MB; ++j) {
+    int32_t tail = 0;
+    for (int64_t t = K32; t < K; ++t) tail += static_cast<int32_t>(q[j * K + t]) * w[t];
+    out[j] = _mm512_reduce_add_ps(total[j]) + static_cast<float>(tail);
+  }
+#else
   __m256 total[MB];
   for (int j = 0; j < MB; ++j) total[j] = _mm256_setzero_ps();
   const int64_t K16 = K & ~int64_t(15);
@@ -243,6 +310,7 @@ inline void row_dot_i8(const int16_t* q, int64_t K, const int8_t* w, float* out)
     for (int64_t t = K16; t < K; ++t) tail += static_cast<int32_t>(q[j * K + t]) * w[t];
     out[j] = hsum(total[j]) + static_cast<float>(tail);
   }
+#endif
 }
 
 // out[j] = sum_k q[j, k] * dequantized w[k] over MB int16 rows (q4 order) for an int4 row: per group g,
@@ -250,6 +318,38 @@ inline void row_dot_i8(const int16_t* q, int64_t K, const int8_t* w, float* out)
 template <int MB>
 inline void row_dot_i4(const int16_t* q4, const int32_t* block_sum, int64_t K, const uint8_t* w,
                        const at::Half* group_scale, const uint8_t* group_zero, int64_t group, float* out) {
+#ifdef QPACK_AVX512
+  // A block's 16 bytes become one register of 32 int16 nibbles, evens then odds (the q4 order): one vpdpwssd
+  // per activation row per block.
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const int64_t blocks = K / 32, per_group = group / 32;
+  __m512 total[MB];
+  float zero_terms[MB];
+  for (int j = 0; j < MB; ++j) total[j] = _mm512_setzero_ps(), zero_terms[j] = 0.f;
+  for (int64_t g = 0; g < K / group; ++g) {
+    __m512i acc[MB];
+    int32_t sums[MB];
+    for (int j = 0; j < MB; ++j) acc[j] = _mm512_setzero_si512(), sums[j] = 0;
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      prefetch(w + b * 16, 16);
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
+      const __m256i nibbles = _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_and_si128(packed, low)), _mm_and_si128(_mm_srli_epi16(packed, 4), low), 1);
+      const __m512i wv = _mm512_cvtepu8_epi16(nibbles);
+      for (int j = 0; j < MB; ++j) {
+        acc[j] = _mm512_dpwssd_epi32(acc[j], wv, _mm512_loadu_si512(q4 + j * K + b * 32));
+        sums[j] += block_sum[j * blocks + b];
+      }
+    }
+    const float s = static_cast<float>(group_scale[g]);
+    const int32_t z = group_zero[g];
+    for (int j = 0; j < MB; ++j) {
+      total[j] = _mm512_fmadd_ps(_mm512_set1_ps(s), _mm512_cvtepi32_ps(acc[j]), total[j]);
+      zero_terms[j] += s * static_cast<float>(z * sums[j]);
+    }
+  }
+  for (int j = 0; j < MB; ++j) out[j] = _mm512_reduce_add_ps(total[j]) - zero_terms[j];
+#else
   const __m128i low = _mm_set1_epi8(0x0F);
   const int64_t blocks = K / 32, per_group = group / 32;
   __m256 total[MB];
@@ -280,6 +380,7 @@ inline void row_dot_i4(const int16_t* q4, const int32_t* block_sum, int64_t K, c
     }
   }
   for (int j = 0; j < MB; ++j) out[j] = hsum(total[j]) - zero_terms[j];
+#endif
 }
 
 inline void store_rows(const Lin& L, int64_t n, const float* out, const float* row_scale, int64_t m, int64_t mb,
@@ -756,16 +857,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed: str | None = None
+_isa: str | None = None
 
 
 def _cpu_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+def _target_isa() -> str:
+    """'avx512' where the CPU has AVX-512 F/BW/VL and VNNI (the int8 and int4 kernels then multiply-accumulate
+    int16 pairs in one instruction, 32 lanes wide), else 'avx2'. QPACK_NATIVE_ISA=avx2 builds the AVX2 kernels on
+    any machine (to compare, or to test both)."""
+    if os.environ.get("QPACK_NATIVE_ISA", "").lower() == "avx2":
+        return "avx2"
+    capabilities = torch.cpu.get_capabilities()
+    return "avx512" if all(capabilities.get(feature) for feature in AVX512_FEATURES) else "avx2"
+
+
+def isa() -> str | None:
+    """The instruction set the loaded kernels were built for ('avx2' or 'avx512'); None when not loaded."""
+    return _isa if _module is not None else None
+
+
+def max_rows() -> int:
+    """Activation rows the loaded kernels serve (`takes`) and the fused decode step runs (0 when not loaded)."""
+    return _MAX_ROWS[_isa] if _module is not None and _isa is not None else 0
+
+
 def enable() -> ModuleType | None:
     """Build (first time on this machine) and load the extension; None, with the reason logged and kept in
     `unavailable_reason()`, where it can't be."""
-    global _module, _failed
+    global _module, _failed, _isa
     if _module is not None or _failed is not None:
         return _module
     with _lock:
@@ -780,15 +902,18 @@ def enable() -> ModuleType | None:
                 from torch.utils.cpp_extension import load_inline
 
                 _ninja_on_path()
-                name, folder = _build_folder()
+                target = _target_isa()
+                flags = ["-O3", *_ISA_FLAGS[target], "-fopenmp"]
+                name, folder = _build_folder(flags)
                 _module = load_inline(
                     name=name,
                     cpp_sources=[_SOURCE],
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                    extra_cflags=flags,
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(folder),
                     verbose=False,
                 )
+                _isa = target
             except Exception as error:  # no compiler, no ninja, a build error: keep torch's kernels
                 _failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if _failed is not None:
@@ -799,13 +924,14 @@ def enable() -> ModuleType | None:
 STALE_LOCK_S = 600.0  # a build takes ~1 min; a lock this old was left by a process killed mid-build
 
 
-def _build_folder() -> tuple[str, Path]:
-    """One build folder per (source, torch, Python environment): torch's build files name the environment's
-    include paths, so two venvs sharing a folder would rebuild on every switch, each start holding the lock.
-    A lock left by a process killed mid-build would make every later start wait forever: clear it when stale."""
+def _build_folder(flags: list[str]) -> tuple[str, Path]:
+    """One build folder per (source, compiler flags, torch, Python environment): torch's build files name the
+    environment's include paths, so two venvs sharing a folder would rebuild on every switch, each start holding
+    the lock; an AVX-512 build must never load on an AVX2 machine sharing the cache. A lock left by a process
+    killed mid-build would make every later start wait forever: clear it when stale."""
     from quantize.models import cache_dir
 
-    key = "\n".join((_SOURCE, torch.__version__, sys.prefix, torch.__file__))
+    key = "\n".join((_SOURCE, " ".join(flags), torch.__version__, sys.prefix, torch.__file__))
     name = f"qpack_native_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     folder = cache_dir() / "native" / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -836,12 +962,12 @@ def ready() -> bool:
 
 
 def takes(x: torch.Tensor) -> bool:
-    """Whether `linear` serves these activation rows: kernels loaded, CPU, at most MAX_ROWS rows, no autograd
-    (the kernels have no backward)."""
+    """Whether `linear` serves these activation rows: kernels loaded, CPU, at most `max_rows()` rows, no
+    autograd (the kernels have no backward)."""
     return (
         _module is not None
         and x.device.type == "cpu"
-        and x.shape[0] <= MAX_ROWS
+        and x.shape[0] <= max_rows()
         and not (torch.is_grad_enabled() and x.requires_grad)
     )
 

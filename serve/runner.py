@@ -13,7 +13,7 @@ each sequence's context through its block table:
 Only the last position of sequences that sample this step goes through the final norm and LM head.
 
 Decode at small batch is dominated by per-op overhead and weight reads. A step of decodes only (up to
-`native.MAX_ROWS` sequences) runs each run of consecutive layers whose projections are int8/int4/bf16/FP32 as
+`native.max_rows()` sequences) runs each run of consecutive layers whose projections are int8/int4/bf16/FP32 as
 one `native.decode_layers` call; other layers (float16, bitsandbytes), prefill steps, and machines without the
 native kernels take the per-layer loop, where q/k/v and gate/up projections that share an input are fused into one
 kernel call each (when they have the same scheme) and norms use the fused `rms_norm` op.
@@ -413,7 +413,7 @@ class ModelRunner:
         return hidden + plan.mlp(_rms_norm(hidden, plan.post_norm.weight, plan.post_eps))
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        """The FP32 LM head: up to `native.MAX_ROWS` rows on CPU through the weight-streaming kernel (one
+        """The FP32 LM head: up to `native.max_rows()` rows on CPU through the weight-streaming kernel (one
         pass over the 113 MB matrix at near bandwidth, ~2x MKL's GEMV). Beyond, [vocab, H] @ [H, rows] runs
         2-5x faster than the [rows, H] @ [H, vocab] that `F.linear` issues (measured on this project's 2-core
         reference machine)."""
@@ -447,10 +447,10 @@ class ModelRunner:
 
     def _fuses(self, num_rows: int, has_prefills: bool) -> bool:
         """Whether a step's native segments run as fused decode steps: decodes only, at most
-        `native.MAX_ROWS` of them, native kernels loaded, not being traced by torch.compile."""
+        `native.max_rows()` of them, native kernels loaded, not being traced by torch.compile."""
         return (
             not has_prefills
-            and num_rows <= native.MAX_ROWS
+            and num_rows <= native.max_rows()
             and self._native_attention
             and not torch.compiler.is_compiling()
         )

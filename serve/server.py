@@ -67,7 +67,11 @@ def describe(engine: Engine) -> str:
     from quantize import native
 
     tokens = engine.num_blocks * engine.config.block_size
-    kernels = "native (AVX2)" if native.ready() else f"torch ({native.unavailable_reason() or 'not built'})"
+    kernels = (
+        f"native ({(native.isa() or '').upper().replace('AVX512', 'AVX-512 VNNI')})"
+        if native.ready()
+        else f"torch ({native.unavailable_reason() or 'not built'})"
+    )
     return (
         f"KV cache: {engine.num_blocks:,} blocks x {engine.config.block_size} tokens = {tokens:,} tokens "
         f"({engine.kv_bytes / 2**20:.0f} MiB {str(engine.config.kv_dtype).removeprefix('torch.')}, "

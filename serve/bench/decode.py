@@ -100,11 +100,12 @@ _PROFILE_PROMPT = 64
 class _Artifact:
     def __init__(self, path: str, max_batch: int, max_len: int, compile_decode: bool = False) -> None:
         from quantize.artifact import load_artifact
+        from quantize.memory import trim_heap
         from quantize.models import load_tokenizer
         from serve.engine import Engine, EngineConfig
         from serve.runner import kv_bytes_per_token
 
-        loaded = load_artifact(path)
+        loaded = load_artifact(path, skeleton=True)  # as `qpack serve` loads it
         self.model = loaded.model
         self.name = f"{loaded.name} v{loaded.version}"
         per_token = kv_bytes_per_token(self.model.config)
@@ -119,6 +120,7 @@ class _Artifact:
             compile=compile_decode,
         )
         self.engine = Engine(self.model, load_tokenizer(path), config)
+        trim_heap()
         if compile_decode:
             self.engine.warmup()
         self.name += " (compiled)" if compile_decode else ""
