@@ -314,38 +314,41 @@ class Int4Linear(QuantLinear):
         n, half_k = qweight.shape
         super().__init__(scheme, half_k * 2, n, bias)
         self.group_size = scheme.group_size
-        q = P.unpack_int4(qweight)  # [N, K] uint8
         self.qweight: torch.Tensor
         self.scale: torch.Tensor
         self.zero_point: torch.Tensor
-        self.register_buffer("qweight", qweight, persistent=False)  # canonical, for the dense (prefill) path
+        self.register_buffer("qweight", qweight, persistent=False)  # canonical: native kernels, dense path
         self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("zero_point", zero_point, persistent=False)
-        self.packed: torch.Tensor
-        self.scale_and_zeros: torch.Tensor
-        pad = (-n) % 16  # the kernels tile output channels by 16: pad with zero rows, slice them off after
+        self._torch_pack: tuple[torch.device, torch.Tensor, torch.Tensor] | None = None
+
+    def _packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's int4 kernel layout of the weights (and its scale-and-zeros), built on first use for the
+        device the weights are on: a second copy of the weights, which a CPU server with the native kernels never
+        needs (on SmolLM2's mixed artifact 51 MB of 218)."""
+        device = self.qweight.device
+        if self._torch_pack is not None and self._torch_pack[0] == device:
+            return self._torch_pack[1], self._torch_pack[2]
+        q, scale, zero_point = P.unpack_int4(self.qweight), self.scale, self.zero_point  # q: [N, K] uint8
+        pad = (
+            -q.shape[0]
+        ) % 16  # the kernels tile output channels by 16: pad with zero rows, slice them off after
         if pad:
-            q = torch.cat([q, torch.full((pad, q.shape[1]), 8, dtype=q.dtype, device=q.device)])
-            scale = torch.cat(
-                [scale, torch.ones(pad, scale.shape[1], dtype=scale.dtype, device=scale.device)]
-            )
+            q = torch.cat([q, torch.full((pad, q.shape[1]), 8, dtype=q.dtype, device=device)])
+            scale = torch.cat([scale, torch.ones(pad, scale.shape[1], dtype=scale.dtype, device=device)])
             zero_point = torch.cat(
-                [
-                    zero_point,
-                    torch.full((pad, zero_point.shape[1]), 8, dtype=zero_point.dtype, device=q.device),
-                ]
+                [zero_point, torch.full((pad, zero_point.shape[1]), 8, dtype=zero_point.dtype, device=device)]
             )
-        if qweight.is_cuda:
+        if device.type == "cuda":
             high_first = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous()
             packed = torch.ops.aten._convert_weight_to_int4pack(
                 high_first, 8 if self.in_features % 1024 == 0 else 2
             )
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer(
-            "scale_and_zeros", P.int4_cpu_scale_and_zeros(scale, zero_point, torch.bfloat16), persistent=False
-        )
+        scale_and_zeros = P.int4_cpu_scale_and_zeros(scale, zero_point, torch.bfloat16)
+        self._torch_pack = (device, packed, scale_and_zeros)
+        return packed, scale_and_zeros
 
     def native_ok(self) -> bool:
         """Whether `native.linear` can run these weights (its int4 kernel reads groups of 32 inputs)."""
@@ -358,20 +361,27 @@ class Int4Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
+        native_ok = not x.is_cuda and native.ready() and self.native_ok()
         if x.is_cuda:
+            packed, scale_and_zeros = self._packed()
             y = torch.ops.aten._weight_int4pack_mm(
-                x2.to(torch.bfloat16), self.packed, self.group_size, self.scale_and_zeros
+                x2.to(torch.bfloat16), packed, self.group_size, scale_and_zeros
             )
-        elif native.takes(x2) and self.native_ok():
+        elif native_ok and native.takes(x2):
             y = native.linear(x2.to(torch.float32), self.qweight, self.scale, None, self.zero_point)
+        elif native_ok:
+            weight = _scratch(torch.Size((self.qweight.shape[0], self.in_features)), self.qweight.device)
+            native.dequantize_int4(self.qweight, self.scale, self.zero_point, weight)
+            y = F.linear(x2.to(torch.float32), weight)
         elif x2.shape[0] >= self.dense_min_rows:
             weight = P.dequantize_int4(
                 P.unpack_int4(self.qweight), self.scale, self.zero_point, self.group_size
             )
             y = F.linear(x2.to(torch.float32), weight)
         else:
+            packed, scale_and_zeros = self._packed()
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2.to(torch.bfloat16), self.packed, self.group_size, self.scale_and_zeros
+                x2.to(torch.bfloat16), packed, self.group_size, scale_and_zeros
             )
         y = y[:, : self.out_features]
         return self._finish(y.to(torch.float32), x).reshape(*x.shape[:-1], self.out_features)
@@ -662,10 +672,10 @@ def fuse_linears(modules: list[nn.Module]) -> nn.Module | None:
         qweight = torch.cat([m.qweight[:, : m.in_features] for m in modules])  # type: ignore[index]
         fused = Int8Linear(first.scheme, qweight, torch.cat([m.scale for m in modules]), bias)  # type: ignore[misc]
     elif isinstance(first, Int4Linear):
-        if any(m.out_features % 16 for m in modules) or len({m.group_size for m in modules}) != 1:  # type: ignore[attr-defined]
+        if len({m.group_size for m in modules}) != 1:  # type: ignore[attr-defined]
             return None
         assert isinstance(first.scheme, Int4)
-        return Int4Linear(
+        fused = Int4Linear(
             first.scheme,
             torch.cat([m.qweight for m in modules]),  # type: ignore[misc]
             torch.cat([m.scale for m in modules]),  # type: ignore[misc]
@@ -680,7 +690,7 @@ def fuse_linears(modules: list[nn.Module]) -> nn.Module | None:
     return fused
 
 
-_ROW_TENSORS = ("weight", "qweight", "scale", "unit")
+_ROW_TENSORS = ("weight", "qweight", "scale", "zero_point", "unit")
 
 
 def _share_rows(fused: nn.Module, modules: list[nn.Module]) -> None:
