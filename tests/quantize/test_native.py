@@ -85,6 +85,35 @@ def test_int4_weights_match_their_dequantized_form(rows: int, group_size: int) -
         )
 
 
+def test_int4_keeps_one_copy_of_its_weights_with_the_native_kernels(monkeypatch) -> None:
+    """torch's int4pack layout is a second copy of the weights: built only when its kernel runs."""
+    from quantize.modules import fuse_linears
+
+    torch.manual_seed(0)
+    scheme = Int4(group_size=32)
+    modules = [
+        Int4Linear(scheme, **Int4Handler().quantize(scheme, torch.randn(n, 64)), bias=None) for n in (48, 24)
+    ]
+    fused = fuse_linears(modules)
+    assert isinstance(fused, Int4Linear)
+    start = fused.qweight.data_ptr()
+    assert [m.qweight.data_ptr() - start for m in modules] == [0, 48 * 32]  # rows of the fused storage
+    with torch.inference_mode():
+        for rows in (1, native.max_rows() + 1, 200):  # the kernel, then the native dequantize + GEMM
+            x = torch.randn(rows, 64)
+            expected = F.linear(
+                x, P.dequantize_int4(P.unpack_int4(fused.qweight), fused.scale, fused.zero_point, 32)
+            )
+            torch.testing.assert_close(fused(x), expected, rtol=2e-3, atol=2e-3)
+        assert fused._torch_pack is None
+        monkeypatch.setattr(
+            native, "_module", None
+        )  # no native kernels: torch's int4 kernel, packed on first use
+        relative = (fused(x[:5]) - expected[:5]).norm() / expected[:5].norm()
+        assert relative < 1e-2  # it rounds x to bf16
+    assert fused._torch_pack is not None
+
+
 def test_quantized_modules_route_small_batches_and_stay_exact() -> None:
     torch.manual_seed(0)
     weight = torch.randn(48, 40)
