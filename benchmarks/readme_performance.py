@@ -92,6 +92,9 @@ def main() -> None:
     parser.add_argument("--decode-repeats", type=int, default=3)
     parser.add_argument("--serve-levels", default="10,30,50")
     parser.add_argument("--skip-serve", action="store_true")
+    parser.add_argument(
+        "--tight-kv-memory", default="128MB", help="bf16 KV pool of the memory-tight serving run (c30 fits)"
+    )
     parser.add_argument("--skip-eval", action="store_true")
     parser.add_argument("--update-readme", action="store_true")
     args = parser.parse_args()
@@ -154,24 +157,30 @@ def main() -> None:
     peers = {
         kind: {b: peer_decode(kind, b, 128, 64) for b in (1, 16)} for kind in ("torchao-int8wo", "bnb-int8")
     }
-    serving = None
+    serving: dict[str, Any] = {}
     if not args.skip_serve:
-        folder = out / "bench-serve-int8"
-        sh(
-            [
-                *QPACK,
-                "--quiet",
-                "bench",
-                "serve",
-                str(out / "int8"),
-                "--concurrency",
-                args.serve_levels,
-                "--out",
-                str(folder),
-            ],
-            log,
-        )
-        serving = json.loads((folder / "results.json").read_text())
+        configs = {
+            "default": [],  # 512 MB FP32 KV pool
+            "tight": [f"--kv-memory={args.tight_kv_memory}", "--server-arg=--kv-dtype=bfloat16"],
+        }
+        for label, extra in configs.items():
+            folder = out / f"bench-serve-int8-{label}"
+            sh(
+                [
+                    *QPACK,
+                    "--quiet",
+                    "bench",
+                    "serve",
+                    str(out / "int8"),
+                    "--concurrency",
+                    args.serve_levels,
+                    *extra,
+                    "--out",
+                    str(folder),
+                ],
+                log,
+            )
+            serving[label] = json.loads((folder / "results.json").read_text())
     evals: dict[str, Any] = {}
     if not args.skip_eval:
         eval_out = out / "bench-eval"
@@ -196,6 +205,7 @@ def main() -> None:
         "decode": decode,
         "peers": peers,
         "serving": serving,
+        "tight_kv_memory": args.tight_kv_memory,
         "evals": evals,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
@@ -259,16 +269,16 @@ def render(results: dict[str, Any]) -> str:
             + " | ".join(peer)
             + " |"
         )
-    serving = results.get("serving")
-    if serving:
+    titles = {
+        "default": "**Serving** (ShareGPT replay, chat endpoint, outputs up to 128 tokens; qpack int8 with the default "
+        "512 MB FP32 KV pool):",
+        "tight": "**Serving, memory-tight** (same replay; qpack int8 with a bfloat16 KV pool of "
+        f"{results.get('tight_kv_memory', '128MB')}, allocated up front):",
+    }
+    for label, serving in (results.get("serving") or {}).items():
         from serve.bench.report import serve_markdown
 
-        lines += [
-            "",
-            "**Serving** (ShareGPT replay, chat endpoint, outputs up to 128 tokens):",
-            "",
-            serve_markdown(serving).split("\n", 2)[2],
-        ]
+        lines += ["", titles[label], "", serve_markdown(serving).split("\n", 2)[2]]
     evals = results.get("evals")
     if evals:
         lines += [

@@ -16,6 +16,7 @@ listed file's hash must match before anything is loaded. Writes are atomic (temp
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from torch import nn
 from quantize import __version__
 from quantize.errors import QpackError
 from quantize.fileio import atomic_output_dir, read_json, sha256_file, write_json
-from quantize.models import tokenizer_files
+from quantize.models import tokenizer_class, tokenizer_files
 from quantize.modules import QuantLinear
 from quantize.plan import Plan
 from quantize.schemes import Scheme
@@ -84,6 +85,21 @@ def size_stats(
     }
 
 
+def _complete_config(source_dir: Path) -> dict[str, Any]:
+    """The model config as transformers reads it (every default filled in, RoPE parameters in the current
+    `rope_parameters` form), so that an artifact's config.json alone describes the model: the serving skeleton
+    reads it without transformers' config classes."""
+    from transformers import AutoConfig
+
+    from quantize.models import _quiet_transformers
+
+    _quiet_transformers()
+    config: dict[str, Any] = json.loads(
+        AutoConfig.from_pretrained(str(source_dir)).to_json_string(use_diff=False)
+    )
+    return config
+
+
 def save_artifact(
     output: Path,
     *,
@@ -112,7 +128,7 @@ def save_artifact(
             str(tmp / WEIGHTS_FILE),
             metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)},
         )
-        config = read_json(source_dir / "config.json", "model config")
+        config = _complete_config(source_dir)
         config.pop("quantization_config", None)
         if "lm_head" in quantized and config.get("tie_word_embeddings"):
             config["tie_word_embeddings"] = False
@@ -131,6 +147,7 @@ def save_artifact(
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "modules": plan.to_json(),
             "tensors": {fqn: sorted(record.tensors) for fqn, record in records.items()},
+            "tokenizer_class": tokenizer_class(source_dir),
             "size": sizes,
             "evals": manifest.get("evals", {}),
         }

@@ -339,16 +339,31 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
     return model
 
 
-def load_tokenizer(source: ModelSource | Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+def load_tokenizer(source: ModelSource | Path, tokenizer_class: str | None = None) -> PreTrainedTokenizerBase:
+    """The folder's tokenizer as AutoTokenizer resolves it; with `tokenizer_class` (the class AutoTokenizer
+    resolved when an artifact was built, see `tokenizer_class`) that class directly: resolving it again
+    instantiates the model's config class, which in transformers 5 imports torch.distributed.tensor and more
+    (~100 MB resident in a server)."""
+    import transformers
 
     _quiet_transformers()
     path = source.path if isinstance(source, ModelSource) else source
+    direct = getattr(transformers, tokenizer_class, None) if tokenizer_class else None
+    if not (isinstance(direct, type) and issubclass(direct, transformers.PreTrainedTokenizerBase)):
+        direct = None
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        if direct is not None:
+            return direct.from_pretrained(str(path))
+        return transformers.AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise QpackError(f"could not load the tokenizer from {path} ({first}); check the folder") from None
+
+
+def tokenizer_class(folder: Path) -> str:
+    """The class name AutoTokenizer picks for the folder's tokenizer (it depends on the model type as well as
+    tokenizer_config.json: a Qwen2 model's generic tokenizer becomes Qwen2Tokenizer)."""
+    return type(load_tokenizer(folder)).__name__
 
 
 def tokenizer_files(folder: Path) -> list[Path]:

@@ -17,6 +17,8 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -117,44 +119,43 @@ def _header(handle: BinaryIO, size: int) -> tuple[dict[str, Entry], int]:
     return entries, start
 
 
-def check_safetensors(path: str | os.PathLike[str], what: str, fix: str) -> None:
-    """Cheap integrity check (header and length, no data read): QpackError '{what} {path} is corrupt or
-    truncated (...); {fix}'."""
-    path = Path(path)
+@contextmanager
+def _reported(path: Path, what: str, fix: str) -> Iterator[None]:
+    """OSError and ValueError (a bad header or body) as the one-line QpackError a user can act on."""
     try:
-        with open(path, "rb") as handle:
-            _header(handle, path.stat().st_size)
+        yield
     except OSError as exc:
         raise QpackError(
             f"{what} {path} is unreadable ({exc.strerror or exc}); check the path and permissions"
         ) from None
     except ValueError as exc:
         raise QpackError(f"{what} {path} is corrupt or truncated ({exc}); {fix}") from None
+
+
+def check_safetensors(path: str | os.PathLike[str], what: str, fix: str) -> None:
+    """Cheap integrity check (header and length, no data read): QpackError '{what} {path} is corrupt or
+    truncated (...); {fix}'."""
+    path = Path(path)
+    with _reported(path, what, fix), open(path, "rb") as handle:
+        _header(handle, path.stat().st_size)
 
 
 def read_safetensors(path: str | os.PathLike[str], what: str, fix: str) -> dict[str, torch.Tensor]:
     """All tensors of a safetensors file, read (not mapped) into 64-byte-aligned CPU tensors."""
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
-    try:
-        with open(path, "rb") as handle:
-            entries, start = _header(handle, path.stat().st_size)
-            for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda item: item[1][2]):
-                tensor = torch.empty(shape, dtype=dtype)
-                if end > begin:
-                    handle.seek(start + begin)
-                    view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
-                    done = 0
-                    while done < end - begin:
-                        got = handle.readinto(view[done:])
-                        if not got:
-                            raise ValueError(f"the file ends inside tensor {name}")
-                        done += got
-                tensors[name] = tensor
-    except OSError as exc:
-        raise QpackError(
-            f"{what} {path} is unreadable ({exc.strerror or exc}); check the path and permissions"
-        ) from None
-    except ValueError as exc:
-        raise QpackError(f"{what} {path} is corrupt or truncated ({exc}); {fix}") from None
+    with _reported(path, what, fix), open(path, "rb") as handle:
+        entries, start = _header(handle, path.stat().st_size)
+        for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda item: item[1][2]):
+            tensor = torch.empty(shape, dtype=dtype)
+            if end > begin:
+                handle.seek(start + begin)
+                view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+                done = 0
+                while done < end - begin:
+                    got = handle.readinto(view[done:])
+                    if not got:
+                        raise ValueError(f"the file ends inside tensor {name}")
+                    done += got
+            tensors[name] = tensor
     return tensors

@@ -40,7 +40,8 @@ def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -
         from quantize.artifact import load_artifact
 
         loaded = load_artifact(path, device=device, skeleton=True)
-        return LoadedModel(loaded.model, load_tokenizer(path), loaded.name, loaded.version, str(loaded.path))
+        tokenizer = load_tokenizer(path, loaded.manifest.get("tokenizer_class"))
+        return LoadedModel(loaded.model, tokenizer, loaded.name, loaded.version, str(loaded.path))
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise QpackError(f"--dtype must be one of {', '.join(dtypes)} (got {dtype!r})")

@@ -119,7 +119,7 @@ class _Artifact:
             enable_prefix_caching=False,
             compile=compile_decode,
         )
-        self.engine = Engine(self.model, load_tokenizer(path), config)
+        self.engine = Engine(self.model, load_tokenizer(path, loaded.manifest.get("tokenizer_class")), config)
         trim_heap()
         if compile_decode:
             self.engine.warmup()

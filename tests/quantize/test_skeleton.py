@@ -71,12 +71,35 @@ import sys
 from serve.server import load_for_serving, build_engine
 from serve.engine import EngineConfig
 build_engine(load_for_serving({str(tiny_qwen2_artifact)!r}), EngineConfig(kv_memory="4MB", block_size=4))
-heavy = ("torch._dynamo", "torchao", "transformers.models.qwen2.modeling_qwen2", "transformers.modeling_utils")
+heavy = ("torch._dynamo", "torch.distributed.tensor", "torchao", "transformers.models.qwen2.modeling_qwen2")
 print([m for m in heavy if m in sys.modules])
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_served_tokenizer_is_the_one_autotokenizer_resolves(tiny_qwen2_artifact: Path) -> None:
+    """The artifact records the class AutoTokenizer picked (Qwen2Tokenizer for this generic tokenizer.json)."""
+    from transformers import AutoTokenizer
+
+    from quantize.artifact import read_manifest
+    from quantize.models import load_tokenizer
+
+    recorded = read_manifest(tiny_qwen2_artifact)["tokenizer_class"]
+    theirs = AutoTokenizer.from_pretrained(str(tiny_qwen2_artifact))
+    ours = load_tokenizer(tiny_qwen2_artifact, recorded)
+    assert recorded == type(theirs).__name__ == type(ours).__name__ == "Qwen2Tokenizer"
+    messages = [{"role": "user", "content": "Why does the tiny cat sing? Answer: A"}]
+    for text in ("hello world", " A", "Answer: A\n"):
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    assert ours.apply_chat_template(messages, tokenize=False) == theirs.apply_chat_template(
+        messages, tokenize=False
+    )
+    assert ours.eos_token_id == theirs.eos_token_id
+    assert (
+        type(load_tokenizer(tiny_qwen2_artifact, "NoSuchTokenizer")).__name__ == "Qwen2Tokenizer"
+    )  # falls back
 
 
 def test_unservable_configs_name_every_problem() -> None:
@@ -93,3 +116,39 @@ def test_unservable_configs_name_every_problem() -> None:
         "rope_parameters is not",
     ):
         assert fragment in message
+
+
+def test_an_artifact_from_a_legacy_config_is_served_from_its_complete_config(
+    tiny_llama: Path, tmp_path: Path, copy_dir, make_calibration
+) -> None:
+    """A transformers 4 config.json (rope_theta at the top, no head_dim): the artifact writes the config as
+    transformers reads it, complete, so the skeleton needs no config class."""
+    from quantize.pipeline import QuantizeConfig, quantize_model
+    from quantize.sensitivity import SensitivityConfig
+
+    legacy = copy_dir(tiny_llama, "legacy")
+    data = json.loads((legacy / "config.json").read_text())
+    theta = data.pop("rope_parameters")["rope_theta"]
+    data.pop("head_dim", None)
+    data.pop("rms_norm_eps")
+    (legacy / "config.json").write_text(json.dumps({**data, "rope_theta": theta, "rope_scaling": None}))
+    cal = make_calibration(legacy, tmp_path / "cal", n=32)
+    out = tmp_path / "art"
+    quantize_model(
+        QuantizeConfig(
+            output=out,
+            calibration=cal,
+            preset="int8",
+            sensitivity=SensitivityConfig(num_tokens=32),
+            eval_tokens=64,
+        )
+    )
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_parameters"] == {"rope_type": "default", "rope_theta": theta}
+    assert written["head_dim"] == 16 and written["rms_norm_eps"] == 1e-6
+    lean = load_artifact(out, skeleton=True).model
+    hf = load_artifact(out).model
+    x, positions = torch.zeros(1, 1, 16), torch.arange(9)[None]
+    for a, b in zip(lean.model.rotary_emb(x, positions), hf.model.rotary_emb(x, positions), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert lean.model.norm.variance_epsilon == hf.model.norm.variance_epsilon == 1e-6
