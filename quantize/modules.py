@@ -330,9 +330,8 @@ class Int4Linear(QuantLinear):
         if self._torch_pack is not None and self._torch_pack[0] == device:
             return self._torch_pack[1], self._torch_pack[2]
         q, scale, zero_point = P.unpack_int4(self.qweight), self.scale, self.zero_point  # q: [N, K] uint8
-        pad = (
-            -q.shape[0]
-        ) % 16  # the kernels tile output channels by 16: pad with zero rows, slice them off after
+        # the kernels tile output channels by 16: pad with zero rows, slice them off after
+        pad = (-q.shape[0]) % 16
         if pad:
             q = torch.cat([q, torch.full((pad, q.shape[1]), 8, dtype=q.dtype, device=device)])
             scale = torch.cat([scale, torch.ones(pad, scale.shape[1], dtype=scale.dtype, device=device)])

@@ -1,12 +1,13 @@
-"""A Llama-family causal LM as weights only: the module tree a serving runner reads, without transformers' modeling code.
+"""A Llama-family causal LM as weights only: the module tree the serving runner reads, no transformers modeling.
 
 The serving runner (`serve/runner.py`) has its own forward over a paged KV cache: of the model it needs only the
 modules and their weights (embeddings, norms, the q/k/v/o and MLP projections, the rotary embedding, the LM head)
 under the Hugging Face names, and the config. Building the Hugging Face model for that costs more than the model:
 in transformers 5, importing `modeling_llama`, or even instantiating `LlamaConfig`, pulls in torch._dynamo,
 torch.distributed.tensor and (where installed) torchao, ~130 MB of resident memory in every server process. This
-module builds the same tree from the artifact's config.json (written complete by transformers' `save_pretrained`)
-using only `transformers.modeling_rope_utils` for the RoPE variants, so the frequencies are transformers' own.
+module builds the same tree from the artifact's config.json (which the artifact writer fills with every default
+transformers applies) using only `transformers.modeling_rope_utils` for the RoPE variants, so the frequencies are
+transformers' own.
 
 The skeleton has no `forward` of its own: running it is the serving runner's job. `quantize.load_artifact(...,
 skeleton=True)` installs the artifact's quantized modules into it exactly as into the Hugging Face model.
