@@ -85,18 +85,11 @@ def size_stats(
     }
 
 
-def _complete_config(source_dir: Path) -> dict[str, Any]:
-    """The model config as transformers reads it (every default filled in, RoPE parameters in the current
+def _complete_config(model: nn.Module) -> dict[str, Any]:
+    """The model's config as transformers read it (every default filled in, RoPE parameters in the current
     `rope_parameters` form), so that an artifact's config.json alone describes the model: the serving skeleton
     reads it without transformers' config classes."""
-    from transformers import AutoConfig
-
-    from quantize.models import _quiet_transformers
-
-    _quiet_transformers()
-    config: dict[str, Any] = json.loads(
-        AutoConfig.from_pretrained(str(source_dir)).to_json_string(use_diff=False)
-    )
+    config: dict[str, Any] = json.loads(model.config.to_json_string(use_diff=False))  # type: ignore[operator]
     return config
 
 
@@ -128,7 +121,7 @@ def save_artifact(
             str(tmp / WEIGHTS_FILE),
             metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)},
         )
-        config = _complete_config(source_dir)
+        config = _complete_config(model)
         config.pop("quantization_config", None)
         if "lm_head" in quantized and config.get("tie_word_embeddings"):
             config["tie_word_embeddings"] = False

@@ -75,9 +75,6 @@ class SkeletonConfig(SimpleNamespace, RotaryEmbeddingConfigMixin):
             config.head_dim = config.hidden_size // config.num_attention_heads
         return config
 
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
 
 def _meta(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
@@ -149,7 +146,6 @@ class Attention(nn.Module):
             config.head_dim,
             config.hidden_size,
         )
-        self.head_dim = d
         self.q_proj = _linear(hidden, heads * d, biased(f"{prefix}.q_proj"))
         self.k_proj = _linear(hidden, kv_heads * d, biased(f"{prefix}.k_proj"))
         self.v_proj = _linear(hidden, kv_heads * d, biased(f"{prefix}.v_proj"))

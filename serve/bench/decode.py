@@ -99,13 +99,11 @@ _PROFILE_PROMPT = 64
 
 class _Artifact:
     def __init__(self, path: str, max_batch: int, max_len: int, compile_decode: bool = False) -> None:
-        from quantize.artifact import load_artifact
-        from quantize.memory import trim_heap
-        from quantize.models import load_tokenizer
-        from serve.engine import Engine, EngineConfig
+        from serve.engine import EngineConfig
         from serve.runner import kv_bytes_per_token
+        from serve.server import build_engine, load_for_serving
 
-        loaded = load_artifact(path, skeleton=True)  # as `qpack serve` loads it
+        loaded = load_for_serving(path)  # as `qpack serve` loads it
         self.model = loaded.model
         self.name = f"{loaded.name} v{loaded.version}"
         per_token = kv_bytes_per_token(self.model.config)
@@ -119,8 +117,7 @@ class _Artifact:
             enable_prefix_caching=False,
             compile=compile_decode,
         )
-        self.engine = Engine(self.model, load_tokenizer(path, loaded.manifest.get("tokenizer_class")), config)
-        trim_heap()
+        self.engine = build_engine(loaded, config)
         if compile_decode:
             self.engine.warmup()
         self.name += " (compiled)" if compile_decode else ""
