@@ -27,7 +27,7 @@ import torch
 
 from quantize import primitives as P
 from quantize.errors import QpackError
-from quantize.modules import Int4Handler, handler_for
+from quantize.handlers import Int4Handler, handler_for
 from quantize.schemes import W8A8, Int4, Int8, Scheme
 
 ALGORITHMS: tuple[str, ...] = ("rtn", "gptq", "awq", "smoothquant")

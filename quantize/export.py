@@ -23,7 +23,7 @@ import torch
 from quantize.artifact import MANIFEST_FILE, WEIGHTS_FILE, read_manifest, verify_artifact
 from quantize.errors import QpackError
 from quantize.fileio import atomic_output_dir, read_json, write_json
-from quantize.modules import handler_for
+from quantize.handlers import handler_for
 from quantize.plan import Plan
 from quantize.schemes import BF16, FP16, FP32, W8A8, Int4, Int8, Scheme
 

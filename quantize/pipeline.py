@@ -25,6 +25,7 @@ from quantize.artifact import save_artifact
 from quantize.calibdata import CalibrationData, ChannelStats
 from quantize.errors import QpackError
 from quantize.fileio import check_output_dir
+from quantize.handlers import handler_for
 from quantize.layerwise import (
     LayerwiseModel,
     Pack,
@@ -34,7 +35,6 @@ from quantize.layerwise import (
     sample_sequences,
 )
 from quantize.models import ModelSource, load_model, resolve_model, weights_sha256
-from quantize.modules import handler_for
 from quantize.plan import EMBEDDING_NAMES, Plan, PlanRules, is_decoder_linear
 from quantize.planner import Option, solve
 from quantize.progress import NULL_PROGRESS, Progress

@@ -37,6 +37,7 @@ from quantize.algorithms import fake_quant, output_error
 from quantize.calibdata import SENSITIVITY_FILE
 from quantize.errors import QpackError
 from quantize.fileio import write_json
+from quantize.handlers import handler_for
 from quantize.layerwise import (
     LayerwiseModel,
     Pack,
@@ -46,7 +47,6 @@ from quantize.layerwise import (
     reference_logits,
     sample_sequences,
 )
-from quantize.modules import handler_for
 from quantize.plan import block_index
 from quantize.progress import NULL_PROGRESS, Progress
 from quantize.schemes import Scheme

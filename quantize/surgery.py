@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantize.modules import QuantLinear, handler_for
+from quantize.handlers import handler_for
+from quantize.modules import QuantLinear
 from quantize.schemes import Scheme
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantize import native
+from quantize.kernels import ops as kernels
 from serve.block_pool import BlockPool
 from serve.metrics import Metrics
 from serve.runner import ModelRunner, kv_bytes_per_token
@@ -95,7 +95,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str = "cpu"
     # torch.compile the decode step (minutes of warm-up, fewer per-op overheads) for the decode steps the fused
-    # native step doesn't cover (more than native.max_rows() sequences, layers it can't run, no native kernels)
+    # native step doesn't cover (more than kernels.max_rows() sequences, layers it can't run, no native kernels)
     compile: bool = False
 
 
@@ -395,7 +395,7 @@ class Engine:
         traffic arrives: a compiled decode step builds its graphs (batch 1 and batch > 1) here instead of
         stalling the first users."""
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        crowd = [f"warmup-crowd-{i}" for i in range(native.max_rows() + 1)]
+        crowd = [f"warmup-crowd-{i}" for i in range(kernels.max_rows() + 1)]
         for group in (["warmup-0"], ["warmup-1", "warmup-2"], crowd):
             for request_id in group:
                 self.add(request_id, [1, 2, 3, 4, 5], params, lambda _output: None)

@@ -13,8 +13,8 @@ each sequence's context through its block table:
 Only the last position of sequences that sample this step goes through the final norm and LM head.
 
 Decode at small batch is dominated by per-op overhead and weight reads. A step of decodes only (up to
-`native.max_rows()` sequences) runs each run of consecutive layers whose projections are int8/int4/bf16/FP32 as
-one `native.decode_layers` call; other layers (float16, bitsandbytes), prefill steps, and machines without the
+`kernels.max_rows()` sequences) runs each run of consecutive layers whose projections are int8/int4/bf16/FP32 as
+one `kernels.decode_layers` call; other layers (float16, bitsandbytes), prefill steps, and machines without the
 native kernels take the per-layer loop, where q/k/v and gate/up projections that share an input are fused into one
 kernel call each (when they have the same scheme) and norms use the fused `rms_norm` op.
 """
@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantize import native
+from quantize.kernels import ops as kernels
+from quantize.modules import decode_part, fuse_linears
 from serve.scheduler import Scheduled
 
 
@@ -46,8 +47,6 @@ class _Projection:
     when all three share a scheme, two when (say) v_proj was kept at 16 bit."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
-        from quantize.modules import fuse_linears
-
         groups: list[list[nn.Module]] = []
         for module in modules:
             if groups and type(groups[-1][-1]) is type(module):
@@ -85,34 +84,18 @@ class _LayerPlan:
         gate, up = torch.split(self.gate_up(x), self.intermediate, dim=-1)
         return self.down(self.act(gate) * up)
 
-    def native_projections(self) -> list[list[native.Part]] | None:
-        """The layer's q/k/v, o, gate/up and down as `native.decode_layers` parts, or None when the fused
+    def native_projections(self) -> list[list[kernels.Part]] | None:
+        """The layer's q/k/v, o, gate/up and down as `kernels.decode_layers` parts, or None when the fused
         native step can't run it (a linear that is not int8/int4/bf16/FP32, an activation other than SiLU)."""
         if type(self.act).__name__ not in ("SiLU", "SiLUActivation"):
             return None
         if any(norm.weight.dtype != torch.float32 for norm in (self.input_norm, self.post_norm)):
             return None
         projections = [self.qkv.calls, [self.o], self.gate_up.calls, [self.down]]
-        parts = [[_native_part(module) for module in calls] for calls in projections]
+        parts = [[decode_part(module) for module in calls] for calls in projections]
         if any(part is None for calls in parts for part in calls):
             return None
         return parts  # type: ignore[return-value]
-
-
-def _native_part(module: nn.Module) -> native.Part | None:
-    """(weight, scale, bias, zero_point) of a linear the native kernels execute as stored."""
-    from quantize.modules import HalfLinear, Int4Linear, Int8Linear
-
-    bias = getattr(module, "bias", None)
-    if type(module) is nn.Linear and module.weight.dtype == torch.float32:
-        return module.weight, None, bias, None
-    if isinstance(module, Int8Linear):
-        return module.qweight, module.scale, bias, None
-    if isinstance(module, Int4Linear) and module.native_ok():
-        return module.qweight, module.scale, bias, module.zero_point
-    if isinstance(module, HalfLinear) and module.weight.dtype == torch.bfloat16:
-        return module.weight, None, bias, None
-    return None
 
 
 def _eps(norm: nn.Module) -> float:
@@ -129,10 +112,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     if (
         x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
-        and native.ready()
+        and kernels.ready()
         and not torch.compiler.is_compiling()
     ):
-        return native.rms_norm(x, weight, eps)
+        return kernels.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
@@ -173,9 +156,9 @@ class ModelRunner:
         window = getattr(config, "sliding_window", None)
         self.sliding_window = int(window) if window and getattr(config, "use_sliding_window", True) else None
         if self.device.type == "cpu":
-            native.enable()  # builds once per machine (~1 min) so that no request waits for it
+            kernels.enable()  # builds once per machine (~1 min) so that no request waits for it
         self._native_attention = (
-            self.device.type == "cpu" and native.ready() and kv_dtype in (torch.float32, torch.bfloat16)
+            self.device.type == "cpu" and kernels.ready() and kv_dtype in (torch.float32, torch.bfloat16)
         )
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -196,16 +179,16 @@ class ModelRunner:
             for _ in self.layers
         ]
 
-    def _segments(self) -> list[tuple[int, int, native.DecodeLayers | None]]:
+    def _segments(self) -> list[tuple[int, int, kernels.DecodeLayers | None]]:
         """Runs of consecutive layers: (start, end, tensors) for a run the fused native step executes, (start,
         end, None) for one the per-layer loop runs (say, float16 or bitsandbytes projections)."""
-        segments: list[tuple[int, int, native.DecodeLayers | None]] = []
+        segments: list[tuple[int, int, kernels.DecodeLayers | None]] = []
         for index, plan in enumerate(self.plans):
             projections = plan.native_projections()
             if segments and (segments[-1][2] is not None) == (projections is not None):
                 start, _end, run = segments.pop()
             else:
-                start, run = index, native.DecodeLayers() if projections is not None else None
+                start, run = index, kernels.DecodeLayers() if projections is not None else None
             if run is not None and projections is not None:
                 run.add(
                     plan.input_norm.weight,
@@ -288,7 +271,7 @@ class ModelRunner:
         parts: list[torch.Tensor] = []
         if num_decode and decode_mask is None:
             parts.append(
-                native.decode_attention(
+                kernels.decode_attention(
                     q[:num_decode],
                     k_cache,
                     v_cache,
@@ -348,7 +331,7 @@ class ModelRunner:
         fused = self._fuses(hidden.shape[0], bool(prefills)) and hidden.dtype == torch.float32
         for start, end, native_run in self.segments:
             if fused and native_run is not None:
-                hidden = native.decode_layers(
+                hidden = kernels.decode_layers(
                     hidden,
                     cos,
                     sin,
@@ -413,13 +396,13 @@ class ModelRunner:
         return hidden + plan.mlp(_rms_norm(hidden, plan.post_norm.weight, plan.post_eps))
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        """The FP32 LM head: up to `native.max_rows()` rows on CPU through the weight-streaming kernel (one
+        """The FP32 LM head: up to `kernels.max_rows()` rows on CPU through the weight-streaming kernel (one
         pass over the 113 MB matrix at near bandwidth, ~2x MKL's GEMV). Beyond, [vocab, H] @ [H, rows] runs
         2-5x faster than the [rows, H] @ [H, vocab] that `F.linear` issues (measured on this project's 2-core
         reference machine)."""
         head = self.lm_head
-        if type(head) is nn.Linear and head.weight.dtype == torch.float32 and native.takes(x):
-            return native.linear(x, head.weight, None, head.bias)
+        if type(head) is nn.Linear and head.weight.dtype == torch.float32 and kernels.takes(x):
+            return kernels.linear(x, head.weight, None, head.bias)
         if x.shape[0] < 2 or x.device.type != "cpu" or type(head) is not nn.Linear:
             return head(x)
         logits = torch.mm(head.weight, x.t()).t()
@@ -447,10 +430,10 @@ class ModelRunner:
 
     def _fuses(self, num_rows: int, has_prefills: bool) -> bool:
         """Whether a step's native segments run as fused decode steps: decodes only, at most
-        `native.max_rows()` of them, native kernels loaded, not being traced by torch.compile."""
+        `kernels.max_rows()` of them, native kernels loaded, not being traced by torch.compile."""
         return (
             not has_prefills
-            and num_rows <= native.max_rows()
+            and num_rows <= kernels.max_rows()
             and self._native_attention
             and not torch.compiler.is_compiling()
         )

@@ -65,13 +65,13 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
 
 
 def describe(engine: Engine) -> str:
-    from quantize import native
+    from quantize.kernels import ops as kernels
 
     tokens = engine.num_blocks * engine.config.block_size
     kernels = (
-        f"native ({(native.isa() or '').upper().replace('AVX512', 'AVX-512 VNNI')})"
-        if native.ready()
-        else f"torch ({native.unavailable_reason() or 'not built'})"
+        f"native ({(kernels.isa() or '').upper().replace('AVX512', 'AVX-512 VNNI')})"
+        if kernels.ready()
+        else f"torch ({kernels.unavailable_reason() or 'not built'})"
     )
     return (
         f"KV cache: {engine.num_blocks:,} blocks x {engine.config.block_size} tokens = {tokens:,} tokens "

@@ -65,28 +65,11 @@ class _PeakRss:
 
 
 def decode_bytes(model: nn.Module) -> int:
-    """Bytes the decode path reads per token at batch 1: every linear's weights (as stored), norms, head."""
-    from quantize import native
-    from quantize.modules import HalfLinear, Int4Linear, Int8Linear, QuantLinear, W8A8Linear
+    """Bytes the decode path reads per token at batch 1: every linear's weights (as its kernels read them),
+    norms, head."""
+    from quantize.modules import decode_bytes as module_bytes
 
-    total = 0
-    for module in model.modules():
-        if isinstance(module, Int8Linear | W8A8Linear):
-            tensors = [module.qweight, module.scale]
-        elif isinstance(module, Int4Linear) and native.ready() and module.native_ok():
-            tensors = [module.qweight, module.scale, module.zero_point]  # what the native kernels read
-        elif isinstance(module, Int4Linear):
-            tensors = [module.packed, module.scale_and_zeros]
-        elif isinstance(module, HalfLinear):
-            tensors = [module.weight]
-        elif isinstance(module, QuantLinear):
-            tensors = [b for b in module.buffers()]
-        elif isinstance(module, nn.Linear) or "norm" in type(module).__name__.lower():
-            tensors = [p for p in module.parameters(recurse=False)]
-        else:
-            continue
-        total += sum(t.numel() * t.element_size() for t in tensors)
-    return total
+    return sum(module_bytes(module) for module in model.modules())
 
 
 def _random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from quantize import algorithms as A
+from quantize.handlers import handler_for
 from quantize.layerwise import LayerwiseModel, make_packs
 from quantize.models import load_model, resolve_model
-from quantize.modules import handler_for
 from quantize.schemes import Int4, Int8
 
 

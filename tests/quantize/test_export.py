@@ -13,7 +13,7 @@ import torch
 from quantize.artifact import load_artifact
 from quantize.errors import QpackError
 from quantize.export import export_compressed_tensors
-from quantize.modules import handler_for
+from quantize.handlers import handler_for
 from quantize.pipeline import QuantizeConfig, quantize_model
 from quantize.plan import Plan
 from quantize.sensitivity import SensitivityConfig

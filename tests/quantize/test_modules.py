@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantize.modules import HANDLERS, Int4Linear, Int8Linear, QuantLinear, handler_for
+from quantize.handlers import HANDLERS, handler_for
+from quantize.modules import Int4Linear, Int8Linear, QuantLinear
 from quantize.schemes import BF16, FP16, W8A8, BnbInt8, BnbNF4, Int4, Int8, Scheme
 
 CASES: list[tuple[Scheme, float]] = [

@@ -13,9 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quantize import native
 from quantize import primitives as P
-from quantize.modules import HalfLinear, Int4Handler, Int4Linear, Int8Linear
+from quantize.handlers import Int4Handler
+from quantize.kernels import build
+from quantize.kernels import ops as kernels
+from quantize.modules import HalfLinear, Int4Linear, Int8Linear
 from quantize.schemes import BF16, Int4, Int8
 
 pytestmark = pytest.mark.skipif(
@@ -25,8 +27,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernels() -> None:
-    assert native.enable() is not None, native.unavailable_reason()
+def loaded() -> None:
+    assert kernels.enable() is not None, kernels.unavailable_reason()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 27, 32])
@@ -42,9 +44,9 @@ def test_every_weight_type_matches_torch(rows: int, k: int) -> None:
     padded = F.pad(qweight, (0, 12))  # row stride beyond K, as Int8Linear stores it
 
     close = {"rtol": 1e-4, "atol": 1e-4}  # float sums in another order
-    torch.testing.assert_close(native.linear(x, weight, None, bias), F.linear(x, weight, bias), **close)
+    torch.testing.assert_close(kernels.linear(x, weight, None, bias), F.linear(x, weight, bias), **close)
     exact = F.linear(x.double(), qweight.double()) * scale.double()
-    got = native.linear(x, padded, scale).double()
+    got = kernels.linear(x, padded, scale).double()
     # int8 weights multiply x rounded to int16 per row: each |x| off by <= max|x| / 65534
     bound = (qweight.double().abs().sum(1) * scale.double()) * (
         x.double().abs().amax(1, keepdim=True) / 65534
@@ -54,7 +56,7 @@ def test_every_weight_type_matches_torch(rows: int, k: int) -> None:
     if k >= 64:  # closer to the FP32 result than torch's _weight_int8pack_mm, which rounds x to bf16
         assert (got - exact).abs().mean() * 20 < (bf16_x - exact).abs().mean()
     half = weight.to(torch.bfloat16)
-    torch.testing.assert_close(native.linear(x, half), F.linear(x, half.float()), **close)
+    torch.testing.assert_close(kernels.linear(x, half), F.linear(x, half.float()), **close)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9, 32])
@@ -69,7 +71,7 @@ def test_int4_weights_match_their_dequantized_form(rows: int, group_size: int) -
     dequantized = P.dequantize_int4(q, tensors["scale"], tensors["zero_point"], group_size).double()
     bias = torch.randn(n, generator=generator)
     exact = F.linear(x.double(), dequantized, bias.double())
-    got = native.linear(x, tensors["qweight"], tensors["scale"], bias, tensors["zero_point"]).double()
+    got = kernels.linear(x, tensors["qweight"], tensors["scale"], bias, tensors["zero_point"]).double()
     # x rounded to int16 per row: each |x| off by <= max|x| / 65534
     bound = dequantized.abs().sum(1) * (x.double().abs().amax(1, keepdim=True) / 65534)
     assert ((got - exact).abs() <= bound + 1e-4).all()
@@ -78,7 +80,7 @@ def test_int4_weights_match_their_dequantized_form(rows: int, group_size: int) -
         Int4(group_size=group_size), tensors["qweight"], tensors["scale"], tensors["zero_point"], bias
     )
     with torch.inference_mode():
-        if rows <= native.max_rows():
+        if rows <= kernels.max_rows():
             torch.testing.assert_close(module(x).double(), got, rtol=1e-6, atol=1e-5)  # routed to the kernel
         torch.testing.assert_close(
             module(x.repeat(150 // rows, 1))[:rows].double(), exact, rtol=1e-3, atol=1e-3
@@ -99,7 +101,7 @@ def test_int4_keeps_one_copy_of_its_weights_with_the_native_kernels(monkeypatch)
     start = fused.qweight.data_ptr()
     assert [m.qweight.data_ptr() - start for m in modules] == [0, 48 * 32]  # rows of the fused storage
     with torch.inference_mode():
-        for rows in (1, native.max_rows() + 1, 200):  # the kernel, then the native dequantize + GEMM
+        for rows in (1, kernels.max_rows() + 1, 200):  # the kernel, then the native dequantize + GEMM
             x = torch.randn(rows, 64)
             expected = F.linear(
                 x, P.dequantize_int4(P.unpack_int4(fused.qweight), fused.scale, fused.zero_point, 32)
@@ -107,7 +109,7 @@ def test_int4_keeps_one_copy_of_its_weights_with_the_native_kernels(monkeypatch)
             torch.testing.assert_close(fused(x), expected, rtol=2e-3, atol=2e-3)
         assert fused._torch_pack is None
         monkeypatch.setattr(
-            native, "_module", None
+            kernels, "_module", None
         )  # no native kernels: torch's int4 kernel, packed on first use
         relative = (fused(x[:5]) - expected[:5]).norm() / expected[:5].norm()
         assert relative < 1e-2  # it rounds x to bf16
@@ -129,21 +131,21 @@ def test_quantized_modules_route_small_batches_and_stay_exact() -> None:
         )
         torch.testing.assert_close(half(x), F.linear(x, weight.to(torch.bfloat16).float()))
     calls = []
-    real = native.linear
+    real = kernels.linear
 
     def spy(*args: torch.Tensor) -> torch.Tensor:
         calls.append(args[0].shape[0])
         return real(*args)
 
-    native.linear = spy  # type: ignore[assignment]
+    kernels.linear = spy  # type: ignore[assignment]
     try:
         with torch.inference_mode():
             int8(x)
-            int8(torch.randn(native.max_rows() + 1, 40))  # a prefill-sized batch keeps torch's GEMM
+            int8(torch.randn(kernels.max_rows() + 1, 40))  # a prefill-sized batch keeps torch's GEMM
         needs_grad = torch.randn(2, 40, requires_grad=True)
         half(needs_grad).sum().backward()  # autograd keeps torch's ops, gradients flow
     finally:
-        native.linear = real  # type: ignore[assignment]
+        kernels.linear = real  # type: ignore[assignment]
     assert calls == [3]
     assert needs_grad.grad is not None and needs_grad.grad.abs().sum() > 0
 
@@ -151,7 +153,7 @@ def test_quantized_modules_route_small_batches_and_stay_exact() -> None:
 def test_compiled_callers_see_an_opaque_custom_op() -> None:
     weight = torch.randn(24, 16)
     x = torch.randn(2, 16)
-    compiled = torch.compile(lambda a: native.linear(a, weight), fullgraph=True)
+    compiled = torch.compile(lambda a: kernels.linear(a, weight), fullgraph=True)
     torch.testing.assert_close(compiled(x), F.linear(x, weight))
 
 
@@ -168,7 +170,7 @@ def test_paged_decode_attention_matches_sdpa_over_gathered_context(cache_dtype: 
     for row, length in enumerate(lengths.tolist()):
         slots[row, :length] = torch.randperm(num_slots, generator=generator)[:length]
     q = torch.randn(3, heads, d, generator=generator)
-    got = native.decode_attention(q, k_cache, v_cache, slots, starts, lengths, d**-0.5)
+    got = kernels.decode_attention(q, k_cache, v_cache, slots, starts, lengths, d**-0.5)
     for row in range(3):
         context = slots[row, int(starts[row]) : int(lengths[row])]
         keys = k_cache[context].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
@@ -180,7 +182,7 @@ def test_paged_decode_attention_matches_sdpa_over_gathered_context(cache_dtype: 
 def test_rms_norm_matches_torch() -> None:
     x = torch.randn(5, 40) * 3
     weight = torch.rand(40) + 0.5
-    torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), F.rms_norm(x, (40,), weight, 1e-5))
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), F.rms_norm(x, (40,), weight, 1e-5))
 
 
 def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(monkeypatch, tmp_path) -> None:
@@ -189,15 +191,15 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(monkeypatch, tmp_pat
 
     monkeypatch.setenv("QPACK_CACHE_DIR", str(tmp_path))
     flags = ["-O3", "-mavx2"]
-    _name, folder = native._build_folder(flags)
+    _name, folder = build.build_folder(flags)
     lock = folder / "lock"
     lock.touch()
-    assert native._build_folder(flags)[1] == folder and lock.exists()  # a build may be running: wait for it
-    old = time.time() - native.STALE_LOCK_S - 60
+    assert build.build_folder(flags)[1] == folder and lock.exists()  # a build may be running: wait for it
+    old = time.time() - build.STALE_LOCK_S - 60
     os.utime(lock, (old, old))
-    native._build_folder(flags)
+    build.build_folder(flags)
     assert not lock.exists()
-    assert native._build_folder([*flags, "-mavx512f"])[1] != folder  # never an AVX-512 build on an AVX2 CPU
+    assert build.build_folder([*flags, "-mavx512f"])[1] != folder  # never an AVX-512 build on an AVX2 CPU
 
 
 def test_kernels_release_the_gil() -> None:
@@ -206,7 +208,7 @@ def test_kernels_release_the_gil() -> None:
 
     weight = torch.randn(4096, 4096)
     x = torch.randn(1, 4096)
-    native.linear(x, weight)
+    kernels.linear(x, weight)
     count = [0]
     stop = threading.Event()
 
@@ -221,7 +223,7 @@ def test_kernels_release_the_gil() -> None:
         for _ in range(5):
             before = count[0]
             for _ in range(5):
-                native.linear(x, weight)
+                kernels.linear(x, weight)
             progress.append(count[0] - before)
     finally:
         stop.set()
@@ -232,10 +234,10 @@ def test_kernels_release_the_gil() -> None:
 def test_the_avx2_build_passes_these_tests_too() -> None:
     """On an AVX-512 machine the default build is the AVX-512 one: build the AVX2 kernels too and run this file
     against them, so both stay tested wherever CI runs."""
-    if native.isa() != "avx512":
+    if kernels.isa() != "avx512":
         pytest.skip("the AVX2 kernels are the default build on this machine")
     env = {**os.environ, "QPACK_NATIVE_ISA": "avx2"}
-    check = "from quantize import native; native.enable(); assert native.isa() == 'avx2', native.isa()"
+    check = "from quantize.kernels import ops; ops.enable(); assert ops.isa() == 'avx2', ops.isa()"
     subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=600)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
@@ -247,3 +249,23 @@ def test_the_avx2_build_passes_these_tests_too() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_the_avx512_sources_compile_on_any_machine() -> None:
+    """The AVX-512 build loads and runs only where the CPU has it (this file then tests it); on an AVX2 machine at
+    least compile its sources, so a change that breaks the AVX-512 paths fails here too."""
+    if kernels.isa() == "avx512":
+        pytest.skip("the AVX-512 build is the one loaded and tested on this machine")
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(build.SOURCE_DIR)]
+    command = ["c++", "-std=c++20", "-fsyntax-only", *build.compile_flags("avx512")]
+    command += ["-DTORCH_EXTENSION_NAME=qpack_check", *(f"-isystem{path}" for path in includes)]
+    checks = [
+        subprocess.Popen([*command, str(source)], stderr=subprocess.PIPE, text=True)
+        for source in build.source_paths()
+    ]
+    errors = [check.communicate(timeout=600)[1] for check in checks if check.wait(timeout=600) != 0]
+    assert not errors, errors[0][-3000:]

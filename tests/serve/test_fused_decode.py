@@ -1,4 +1,4 @@
-"""The fused native decode step (`native.decode_layers`: all decoder layers of a decode step in one call)
+"""The fused native decode step (`kernels.decode_layers`: all decoder layers of a decode step in one call)
 against the per-layer loop it replaces, on quantized Llama and Qwen2 models whose layers mix int8, int4, bf16
 and FP32 projections (q/k/v split over two weight types), with a layer the fused step can't run (a float16
 projection) in the middle, a bf16 KV pool and a sliding window."""
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from quantize import native
+from quantize.handlers import handler_for
+from quantize.kernels import ops as kernels
 from quantize.models import load_tokenizer
-from quantize.modules import handler_for
 from quantize.schemes import BF16, FP16, Int4, Int8, Scheme
 from quantize.surgery import QuantizedWeight, install
 from serve.engine import Engine, EngineConfig, RequestOutput
@@ -109,29 +109,29 @@ def test_fused_decode_step_matches_the_layer_loop(
         block_size=4, kv_memory="4MB", kv_dtype=kv_dtype, max_num_batched_tokens=16 * copies, max_num_seqs=32
     )
     fused = Engine(model, tokenizer, config)
-    assert native.ready()
+    assert kernels.ready()
     kinds = [(start, end, run is not None) for start, end, run in fused.runner.segments]
     assert kinds == [(0, 2, True), (2, 3, False), (3, 5, True)]
     loop = Engine(model, tokenizer, config)
     loop.runner.segments = [(0, 5, None)]
 
     calls: list[int] = []
-    real = native.decode_layers
+    real = kernels.decode_layers
 
     def spy(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # type: ignore[no-untyped-def]
         calls.append(hidden.shape[0])
         return real(hidden, *args, **kwargs)
 
-    native.decode_layers = spy  # type: ignore[assignment]
+    kernels.decode_layers = spy  # type: ignore[assignment]
     try:
         fused_tokens, fused_logits = _generate(fused, prompts)
-        if len(prompts) <= native.max_rows():  # decode-only steps of all the sequences went through it
+        if len(prompts) <= kernels.max_rows():  # decode-only steps of all the sequences went through it
             assert calls and max(calls) == len(prompts)
         calls.clear()
         loop_tokens, loop_logits = _generate(loop, prompts)
         assert not calls
     finally:
-        native.decode_layers = real  # type: ignore[assignment]
+        kernels.decode_layers = real  # type: ignore[assignment]
     assert fused_tokens == loop_tokens
     assert len(fused_logits) == len(loop_logits)
     for got, expected in zip(fused_logits, loop_logits, strict=True):

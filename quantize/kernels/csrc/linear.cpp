@@ -1,0 +1,245 @@
+// The linear kernels (see linear.h) and the two ops built on them: `linear` for a few activation rows and
+// `dequantize_int4` for the dense (prefill) path.
+#include "linear.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/record_function.h>
+
+#include "ops.h"
+
+namespace qpack {
+
+// weight [N, >= K] float32, int8 or bfloat16 with scale [N] float32 or empty; or int4 weight [N, K/2] uint8
+// with scale [N, K/g] float16 and zero_point [N, K/g] uint8; bias [N] float32 or empty.
+Lin as_lin(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias,
+           const at::Tensor& zero_point) {
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1, "weight: [N, >=K] with contiguous rows");
+  const int64_t N = w.size(0);
+  TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == N && bias.is_contiguous()),
+              "bias: [N] float32");
+  const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  auto kind = w.scalar_type();
+  if (zero_point.numel()) {
+    TORCH_CHECK(kind == at::kByte, "int4 weight: [N, K/2] uint8");
+    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 2 && scale.size(0) == N && scale.is_contiguous(),
+                "int4 scale: [N, K/g] float16");
+    TORCH_CHECK(zero_point.scalar_type() == at::kByte && zero_point.sizes() == scale.sizes() &&
+                    zero_point.is_contiguous(),
+                "int4 zero_point: [N, K/g] uint8");
+    const int64_t K = 2 * w.size(1), groups = scale.size(1);
+    TORCH_CHECK(groups > 0 && K % groups == 0 && (K / groups) % 32 == 0, "int4 groups: a multiple of 32 inputs");
+    Lin L{kind, w.data_ptr(), w.stride(0), N, K, nullptr, b};
+    L.group_scale = scale.data_ptr<at::Half>();
+    L.group_zero = zero_point.data_ptr<uint8_t>();
+    L.group = K / groups;
+    return L;
+  }
+  TORCH_CHECK(!scale.numel() || (scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous()),
+              "scale: [N] float32");
+  TORCH_CHECK(kind == at::kFloat || kind == at::kChar || kind == at::kBFloat16,
+              "weight must be float32, int8 or bfloat16 (or uint8 int4 with a zero point)");
+  return Lin{kind, w.data_ptr(), w.stride(0), N, w.size(1), scale.numel() ? scale.data_ptr<float>() : nullptr, b};
+}
+
+namespace {
+
+inline void store_rows(const Lin& L, int64_t n, const float* out, const float* row_scale, int64_t m, int64_t mb,
+                       float* y, int64_t ldy, bool accumulate) {
+  const float s = L.scale ? L.scale[n] : 1.0f, b = L.bias ? L.bias[n] : 0.0f;
+  for (int64_t j = 0; j < mb; ++j) {
+    float& dst = y[(m + j) * ldy + n];
+    dst = out[j] * (row_scale ? row_scale[m + j] * s : s) + b + (accumulate ? dst : 0.0f);
+  }
+}
+
+// Output columns [n0, n1) of y[m, n] (+)= (x[m, :K] . w[n, :K]) * scale[n] + bias[n], m < M; y row stride ldy.
+template <typename W>
+void lin_cols(const Lin& L, const float* x, int64_t M, int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1,
+              bool accumulate) {
+  const W* w = static_cast<const W*>(L.w);
+  float out[8];
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* row = w + n * L.ldw;
+    for (int64_t m = 0; m < M; m += 8) {
+      const int64_t mb = std::min<int64_t>(8, M - m);
+      const float* xm = x + m * K;
+      switch (mb) {
+        case 1: row_dot<W, 1, 4>(xm, K, row, out); break;
+        case 2: row_dot<W, 2, 2>(xm, K, row, out); break;
+        case 3: row_dot<W, 3, 1>(xm, K, row, out); break;
+        case 4: row_dot<W, 4, 1>(xm, K, row, out); break;
+        case 5: row_dot<W, 5, 1>(xm, K, row, out); break;
+        case 6: row_dot<W, 6, 1>(xm, K, row, out); break;
+        case 7: row_dot<W, 7, 1>(xm, K, row, out); break;
+        default: row_dot<W, 8, 1>(xm, K, row, out); break;
+      }
+      store_rows(L, n, out, nullptr, m, mb, y, ldy, accumulate);
+    }
+  }
+}
+
+void lin_cols_i8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
+  a.quantize();
+  const int8_t* w = static_cast<const int8_t*>(L.w);
+  const int64_t K = a.K;
+  float out[8];
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * L.ldw;
+    for (int64_t m = 0; m < a.M; m += 8) {
+      const int64_t mb = std::min<int64_t>(8, a.M - m);
+      const int16_t* qm = a.q + m * K;
+      switch (mb) {
+        case 1: row_dot_i8<1>(qm, K, row, out); break;
+        case 2: row_dot_i8<2>(qm, K, row, out); break;
+        case 3: row_dot_i8<3>(qm, K, row, out); break;
+        case 4: row_dot_i8<4>(qm, K, row, out); break;
+        case 5: row_dot_i8<5>(qm, K, row, out); break;
+        case 6: row_dot_i8<6>(qm, K, row, out); break;
+        case 7: row_dot_i8<7>(qm, K, row, out); break;
+        default: row_dot_i8<8>(qm, K, row, out); break;
+      }
+      store_rows(L, n, out, a.scale, m, mb, y, ldy, accumulate);
+    }
+  }
+}
+
+void lin_cols_i4(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
+  a.quantize4(L.group);
+  const uint8_t* w = static_cast<const uint8_t*>(L.w);
+  const int64_t K = a.K, groups = K / L.group;
+  float out[8];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * L.ldw;
+    const at::Half* gs = L.group_scale + n * groups;
+    const uint8_t* gz = L.group_zero + n * groups;
+    for (int64_t m = 0; m < a.M; m += 8) {
+      const int64_t mb = std::min<int64_t>(8, a.M - m);
+      const int16_t* qm = a.q4 + m * K;
+      const int32_t* bs = a.group_sum + m * groups;
+      switch (mb) {
+        case 1: row_dot_i4<1>(qm, bs, K, row, gs, gz, L.group, out); break;
+        case 2: row_dot_i4<2>(qm, bs, K, row, gs, gz, L.group, out); break;
+        case 3: row_dot_i4<3>(qm, bs, K, row, gs, gz, L.group, out); break;
+        case 4: row_dot_i4<4>(qm, bs, K, row, gs, gz, L.group, out); break;
+        case 5: row_dot_i4<5>(qm, bs, K, row, gs, gz, L.group, out); break;
+        case 6: row_dot_i4<6>(qm, bs, K, row, gs, gz, L.group, out); break;
+        case 7: row_dot_i4<7>(qm, bs, K, row, gs, gz, L.group, out); break;
+        default: row_dot_i4<8>(qm, bs, K, row, gs, gz, L.group, out); break;
+      }
+      store_rows(L, n, out, a.scale, m, mb, y, ldy, accumulate);
+    }
+  }
+}
+
+}  // namespace
+
+void lin_range(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
+  switch (L.kind) {
+    case at::kByte: lin_cols_i4(L, a, y, ldy, n0, n1, accumulate); break;
+    case at::kFloat: lin_cols<float>(L, a.x, a.M, a.K, y, ldy, n0, n1, accumulate); break;
+    case at::kChar: lin_cols_i8(L, a, y, ldy, n0, n1, accumulate); break;
+    default: lin_cols<at::BFloat16>(L, a.x, a.M, a.K, y, ldy, n0, n1, accumulate); break;
+  }
+}
+
+void proj_range(const Proj& P, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
+  for (size_t i = 0; i < P.parts.size(); ++i) {
+    const int64_t off = P.offset[i], b = std::max(n0, off), e = std::min(n1, off + P.parts[i].N);
+    if (b < e) lin_range(P.parts[i], a, y + off, ldy, b - off, e - off, accumulate);
+  }
+}
+
+inline int64_t row_bytes(const Lin& L) { return L.ldw * static_cast<int64_t>(c10::elementSize(L.kind)); }
+
+std::pair<int64_t, int64_t> share(const Proj& P, int64_t n0, int64_t n1, int64_t unit, int64_t tid, int64_t nth) {
+  auto bytes_before = [&](int64_t n) {
+    int64_t total = 0;
+    for (size_t i = 0; i < P.parts.size(); ++i) {
+      const int64_t b = std::max(n0, P.offset[i]), e = std::min(n, P.offset[i] + P.parts[i].N);
+      if (b < e) total += (e - b) * row_bytes(P.parts[i]);
+    }
+    return total;
+  };
+  auto cut = [&](int64_t t) {
+    if (t <= 0) return n0;
+    if (t >= nth) return n1;
+    const int64_t target = bytes_before(n1) * t / nth;
+    int64_t lo = 0, hi = (n1 - n0) / unit;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (bytes_before(n0 + mid * unit) < target) lo = mid + 1; else hi = mid;
+    }
+    return std::min(n1, n0 + lo * unit);
+  };
+  return {cut(tid), cut(tid + 1)};
+}
+
+void prefetch_rows(const Proj& P, int64_t n) {
+  constexpr int64_t kBytes = 8192;
+  for (size_t i = 0; i < P.parts.size(); ++i) {
+    if (n < P.offset[i] || n >= P.offset[i] + P.parts[i].N) continue;
+    const char* p = static_cast<const char*>(P.parts[i].w) + (n - P.offset[i]) * row_bytes(P.parts[i]);
+    const int64_t end = (P.parts[i].N - (n - P.offset[i])) * row_bytes(P.parts[i]);
+    for (int64_t b = 0; b < std::min(kBytes, end); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+}
+
+// x [M, K] float32; weight [N, >= K] (float32, int8 or bfloat16, rows contiguous) with scale [N] float32 or
+// empty, or int4 weight [N, K/2] uint8 with scale [N, K/g] float16 and zero_point [N, K/g] uint8; bias [N]
+// float32 or empty -> [M, N] float32.
+at::Tensor linear(at::Tensor x, at::Tensor weight, at::Tensor scale, at::Tensor bias, at::Tensor zero_point) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: [M, K] float32");
+  const Lin L = as_lin(weight, scale, bias, zero_point);
+  const int64_t M = x.size(0), K = x.size(1), N = L.N;
+  TORCH_CHECK(L.K == K || (L.K > K && L.kind != at::kByte), "weight holds ", L.K, " inputs, x has ", K);
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const bool integer = L.kind == at::kChar || L.kind == at::kByte;
+  std::vector<int16_t> q(integer ? M * K : 0), q4(L.kind == at::kByte ? M * K : 0);
+  std::vector<int32_t> group_sum(L.kind == at::kByte ? M * (K / 32) : 0);
+  std::vector<float> row_scale(M);
+  Act a{xp, M, K, q.data(), row_scale.data(), q4.data(), group_sum.data()};
+  if (L.kind == at::kByte) a.quantize4(L.group);  // before the threads share it
+  if (L.kind == at::kChar) a.quantize();
+  auto run = [&] {
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { lin_range(L, a, yp, N, begin, end); });
+  };
+  switch (L.kind) {
+    case at::kFloat: { RECORD_FUNCTION("qpack::linear_fp32", std::vector<c10::IValue>()); run(); break; }
+    case at::kChar: { RECORD_FUNCTION("qpack::linear_int8", std::vector<c10::IValue>()); run(); break; }
+    case at::kByte: { RECORD_FUNCTION("qpack::linear_int4", std::vector<c10::IValue>()); run(); break; }
+    default: { RECORD_FUNCTION("qpack::linear_bf16", std::vector<c10::IValue>()); run(); break; }
+  }
+  return y;
+}
+
+// qweight [N, K/2] uint8 (low nibble first), scale [N, K/g] float16, zero_point [N, K/g] uint8 -> out [N, K]
+// float32 = (q - zero_point) * scale, for the dense (prefill) path: one pass, no temporaries.
+void dequantize_int4(at::Tensor qweight, at::Tensor scale, at::Tensor zero_point, at::Tensor out) {
+  RECORD_FUNCTION("qpack::dequantize_int4", std::vector<c10::IValue>());
+  const Lin L = as_lin(qweight, scale, at::empty({0}, qweight.options().dtype(at::kFloat)), zero_point);
+  TORCH_CHECK(qweight.is_contiguous(), "qweight: contiguous [N, K/2]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == L.N &&
+                  out.size(1) == L.K,
+              "out: [N, K] float32, contiguous");
+  const uint8_t* w = static_cast<const uint8_t*>(L.w);
+  float* o = out.data_ptr<float>();
+  const int64_t K = L.K, groups = K / L.group, half = L.group / 2;
+  at::parallel_for(0, L.N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float s = static_cast<float>(L.group_scale[n * groups + g]);
+        const float z = static_cast<float>(L.group_zero[n * groups + g]);
+        const uint8_t* src = w + n * L.ldw + g * half;
+        float* dst = o + n * K + g * L.group;
+        for (int64_t i = 0; i < half; ++i) {
+          dst[2 * i] = (static_cast<float>(src[i] & 0x0F) - z) * s;
+          dst[2 * i + 1] = (static_cast<float>(src[i] >> 4) - z) * s;
+        }
+      }
+  });
+}
+
+}  // namespace qpack
