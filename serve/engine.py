@@ -10,7 +10,6 @@ dropped when the step commits. `run()` loops on a background thread until told t
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -22,63 +21,18 @@ from torch import nn
 
 from quantize.kernels import ops as kernels
 from serve.block_pool import BlockPool
+from serve.kv_cache import KVLayout, parse_memory
 from serve.metrics import Metrics
-from serve.runner import ModelRunner, kv_bytes_per_token
+from serve.runner import ModelRunner
 from serve.sampler import sample
 from serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serve.sequence import SamplingParams, Sequence
 
 _log = logging.getLogger("qpack.serve")
 
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1e3,
-    "kb": 1e3,
-    "kib": 2**10,
-    "m": 1e6,
-    "mb": 1e6,
-    "mib": 2**20,
-    "g": 1e9,
-    "gb": 1e9,
-    "gib": 2**30,
-    "t": 1e12,
-    "tb": 1e12,
-    "tib": 2**40,
-}
-
-
-KV_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
 
 class QueueFull(Exception):
     """The waiting queue is at --max-queue: the caller should retry later (HTTP 429)."""
-
-
-def parse_memory(value: str | float | int, device: torch.device) -> int:
-    """Bytes from '512MB', '2GiB', 1e9, or a fraction of currently free memory ('0.25')."""
-    if isinstance(value, str):
-        match = _SIZE.match(value)
-        if match is None:
-            raise ValueError(f"--kv-memory {value!r} is not a size (e.g. 512MB, 2GiB) or a fraction (0.25)")
-        number, unit = float(match.group(1)), (match.group(2) or "").lower()
-        if unit not in _UNITS:
-            raise ValueError(f"--kv-memory unit {unit!r} unknown; use MB, GB, MiB or GiB")
-        value = number if unit == "" and number <= 1 else number * _UNITS[unit]
-    if 0 < float(value) <= 1:
-        if device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(device)
-        else:
-            import psutil
-
-            free = psutil.virtual_memory().available
-        return int(float(value) * free)
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -141,9 +95,10 @@ class Engine:
         self.config = config
         self.metrics = metrics or Metrics()
         device = torch.device(config.device)
-        per_token = kv_bytes_per_token(model.config, config.kv_dtype)  # type: ignore[attr-defined]
+        layout = KVLayout.of(model.config, config.kv_dtype)  # type: ignore[attr-defined]
+        per_token = layout.bytes_per_token
         self.kv_bytes = parse_memory(config.kv_memory, device)
-        num_blocks = self.kv_bytes // (per_token * config.block_size)
+        num_blocks = layout.blocks_within(self.kv_bytes, config.block_size)
         if num_blocks < 2:
             raise ValueError(
                 f"--kv-memory {config.kv_memory} holds {num_blocks} blocks of {config.block_size} tokens "
@@ -165,9 +120,7 @@ class Engine:
             ),
             self.pool,
         )
-        self.runner = ModelRunner(
-            model, num_blocks, config.block_size, config.kv_dtype, device, compile_decode=config.compile
-        )
+        self.runner = ModelRunner(model, layout, num_blocks, config.block_size, device, config.compile)
         self.eos_ids = self._eos_ids()
         self.streams: dict[str, _Stream] = {}
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}

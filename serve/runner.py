@@ -31,15 +31,8 @@ from torch import nn
 
 from quantize.kernels import ops as kernels
 from quantize.modules import decode_part, fuse_linears
+from serve.kv_cache import KVLayout
 from serve.scheduler import Scheduled
-
-
-def kv_bytes_per_token(config: object, dtype: torch.dtype = torch.float32) -> int:
-    heads = int(config.num_attention_heads)  # type: ignore[attr-defined]
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)  # type: ignore[attr-defined]
-    layers = int(config.num_hidden_layers)  # type: ignore[attr-defined]
-    return 2 * layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 class _Projection:
@@ -135,9 +128,9 @@ class ModelRunner:
     def __init__(
         self,
         model: nn.Module,
+        layout: KVLayout,
         num_blocks: int,
         block_size: int,
-        kv_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         compile_decode: bool = False,
     ) -> None:
@@ -149,35 +142,29 @@ class ModelRunner:
         self.norm = model.model.norm  # type: ignore[union-attr]
         self.rotary = model.model.rotary_emb  # type: ignore[union-attr]
         self.lm_head = model.lm_head  # type: ignore[union-attr]
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            layout.num_heads,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
         self.scale = self.head_dim**-0.5
         window = getattr(config, "sliding_window", None)
         self.sliding_window = int(window) if window and getattr(config, "use_sliding_window", True) else None
         if self.device.type == "cpu":
             kernels.enable()  # builds once per machine (~1 min) so that no request waits for it
         self._native_attention = (
-            self.device.type == "cpu" and kernels.ready() and kv_dtype in (torch.float32, torch.bfloat16)
+            self.device.type == "cpu" and kernels.ready() and layout.dtype in (torch.float32, torch.bfloat16)
         )
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_dtype = kv_dtype
-        slots = num_blocks * block_size
+        self.kv_dtype = layout.dtype
         self.plans = [_LayerPlan(layer) for layer in self.layers]
         self.final_eps = _eps(self.norm)
         self.segments = self._segments() if self._native_attention else [(0, len(self.plans), None)]
         self._decode_fn: Callable[..., torch.Tensor] | None = None
         if compile_decode:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=True)
-        self.k_cache = [
-            torch.zeros(slots, self.num_kv_heads, self.head_dim, dtype=kv_dtype, device=self.device)
-            for _ in self.layers
-        ]
-        self.v_cache = [
-            torch.zeros(slots, self.num_kv_heads, self.head_dim, dtype=kv_dtype, device=self.device)
-            for _ in self.layers
-        ]
+        self.k_cache, self.v_cache = layout.allocate(num_blocks, block_size, self.device)
 
     def _segments(self) -> list[tuple[int, int, kernels.DecodeLayers | None]]:
         """Runs of consecutive layers: (start, end, tensors) for a run the fused native step executes, (start,

@@ -10,6 +10,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ import torch
 from torch import nn
 
 from quantize.errors import QpackError
-from serve.api import ServerInfo, create_app
 from serve.engine import Engine, EngineConfig
+from serve.kv_cache import KV_DTYPES
+from serve.openai import ServerInfo, create_app
 
 
 @dataclass
@@ -79,6 +81,82 @@ def describe(engine: Engine) -> str:
         f"{engine.kv_bytes_per_token / 1024:.1f} KiB/token); "
         f"max context {engine.max_model_len:,} tokens; decode kernels: {kernels}"
     )
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `qpack serve` was asked for: the model, the address, and the engine's limits."""
+
+    target: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    kv_memory: str = "512MB"
+    block_size: int = 8
+    kv_dtype: str = "float32"
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 32
+    max_queue: int = 256
+    max_model_len: int | None = None
+    request_timeout: float = 600.0
+    api_key: str | None = None
+    dtype: str = "float32"
+    prefix_caching: bool = True
+    compile: bool = False
+
+    def validate(self) -> None:
+        """Every bad option at once, before anything is loaded."""
+        checks = (
+            (self.block_size >= 1, "--block-size must be at least 1"),
+            (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1"),
+            (self.max_num_seqs >= 1, "--max-num-seqs must be at least 1"),
+            (self.max_queue >= 0, "--max-queue must be >= 0"),
+            (self.request_timeout > 0, "--request-timeout must be > 0"),
+            (1 <= self.port <= 65535, "--port must be 1..65535"),
+            (
+                self.kv_dtype in KV_DTYPES,
+                f"--kv-dtype must be one of {', '.join(KV_DTYPES)} (got {self.kv_dtype!r})",
+            ),
+        )
+        problems = [message for ok, message in checks if not ok]
+        if problems:
+            raise QpackError("invalid serve options: " + "; ".join(problems))
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            block_size=self.block_size,
+            kv_memory=self.kv_memory,
+            kv_dtype=KV_DTYPES[self.kv_dtype],
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_queue=self.max_queue,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.prefix_caching,
+            compile=self.compile,
+        )
+
+
+def run_server(
+    options: ServeOptions, log: Callable[[str], None], warn: Callable[[str], None] = lambda _m: None
+) -> None:
+    """Validate, load, build the engine (and warm a compiled one up), then serve until a signal drains it.
+    Progress and the served configuration go to `log`, risks to `warn`."""
+    options.validate()
+    loaded = load_for_serving(options.target, options.dtype)
+    log("loading the native decode kernels (built once per machine: ~1 min the first time)...")
+    engine = build_engine(loaded, options.engine_config())
+    if options.compile:
+        log("compiling the decode step (torch.compile)...")
+        engine.warmup()
+    log(f"qpack serve {loaded.name} v{loaded.version} ({loaded.source})")
+    log(describe(engine))
+    log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1; /health, /metrics)")
+    if options.host not in LOOPBACK and options.api_key is None:
+        warn(f"binding {options.host} without --api-key: anyone who can reach this port can use the model")
+    info = ServerInfo(loaded.name, loaded.version, options.api_key, options.request_timeout)
+    serve_forever(engine, info, options.host, options.port)
 
 
 class _DrainingServer:

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from quantize.models import load_model, load_tokenizer, resolve_model
-from serve.api import ServerInfo
 from serve.engine import Engine, EngineConfig
+from serve.openai import ServerInfo
 from serve.server import BackgroundServer
 
 

@@ -1,0 +1,102 @@
+"""The paged KV pool's geometry: bytes per token, blocks that fit a memory budget, the pool tensors.
+
+One place for the arithmetic that the engine (blocks from `--kv-memory`), the runner (allocating the pool) and
+the decode benchmark (memory for a workload) all need, so they cannot disagree on what a block costs. Each layer
+has a K and a V pool of [slots, kv_heads, head_dim], slot = block id * block_size + offset.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+KV_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "kib": 2**10,
+    "m": 1e6,
+    "mb": 1e6,
+    "mib": 2**20,
+    "g": 1e9,
+    "gb": 1e9,
+    "gib": 2**30,
+    "t": 1e12,
+    "tb": 1e12,
+    "tib": 2**40,
+}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def of(cls, config: object, dtype: torch.dtype = torch.float32) -> KVLayout:
+        """The layout of a Hugging Face config's KV cache (GQA and explicit head_dim respected)."""
+        heads = int(config.num_attention_heads)  # type: ignore[attr-defined]
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)  # type: ignore[attr-defined]
+        return cls(int(config.num_hidden_layers), heads, kv_heads, head_dim, dtype)  # type: ignore[attr-defined]
+
+    @property
+    def bytes_per_token(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    def blocks_within(self, memory_bytes: int, block_size: int) -> int:
+        """Whole blocks of `block_size` tokens that fit `memory_bytes`."""
+        return memory_bytes // (self.bytes_per_token * block_size)
+
+    def memory_for(self, num_blocks: int, block_size: int) -> int:
+        """Bytes of a pool of `num_blocks` blocks."""
+        return num_blocks * block_size * self.bytes_per_token
+
+    def allocate(
+        self, num_blocks: int, block_size: int, device: torch.device
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zeroed K and V pools, one [slots, kv_heads, head_dim] tensor per layer each."""
+        slots = num_blocks * block_size
+
+        def pool() -> list[torch.Tensor]:
+            return [
+                torch.zeros(slots, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=device)
+                for _ in range(self.num_layers)
+            ]
+
+        return pool(), pool()
+
+
+def parse_memory(value: str | float | int, device: torch.device) -> int:
+    """Bytes from '512MB', '2GiB', 1e9, or a fraction of currently free memory ('0.25')."""
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match is None:
+            raise ValueError(f"--kv-memory {value!r} is not a size (e.g. 512MB, 2GiB) or a fraction (0.25)")
+        number, unit = float(match.group(1)), (match.group(2) or "").lower()
+        if unit not in _UNITS:
+            raise ValueError(f"--kv-memory unit {unit!r} unknown; use MB, GB, MiB or GiB")
+        value = number if unit == "" and number <= 1 else number * _UNITS[unit]
+    if 0 < float(value) <= 1:
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        return int(float(value) * free)
+    return int(value)

@@ -1,0 +1,237 @@
+"""OpenAI request bodies as plain data: parsed and validated without a server, a model or a tokenizer.
+
+`parse_request` turns a JSON object sent to `/v1/completions` or `/v1/chat/completions` into a
+`GenerationRequest`, refusing what this server does not do with a 400 that names the field: wrong types, values
+out of range, and options that would change the result if ignored (n > 1, logprobs, penalties, tools...).
+`sampling_params` then fits max_tokens into the context once the prompt's length is known. Errors carry the
+OpenAI shape (`{"error": {"message", "type", "param", "code"}}`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from serve.sequence import SamplingParams
+
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: v not in (None, 1),
+    "best_of": lambda v: v not in (None, 1),
+    "logprobs": lambda v: v not in (None, False, 0),
+    "top_logprobs": lambda v: v not in (None, 0),
+    "echo": lambda v: v not in (None, False),
+    "suffix": lambda v: v is not None,
+    "logit_bias": lambda v: bool(v),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "tools": lambda v: bool(v),
+    "functions": lambda v: bool(v),
+    "response_format": lambda v: v not in (None, {"type": "text"}),
+}
+ROLES = ("system", "user", "assistant", "developer")
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated completion or chat request; `prompt` (completions) or `messages` (chat) is set."""
+
+    chat: bool
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    max_key: str  # the field max_tokens came from, for error messages
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    priority: int
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def check_model(body: dict[str, Any], name: str, version: str) -> None:
+    model = body.get("model")
+    if model is not None and model not in (name, f"{name}:{version}"):
+        raise ApiError(404, f"model {model!r} is not served here; use {name!r}", "model", "model_not_found")
+
+
+def parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
+    """Every field checked, in the order a client would fix them: the prompt, then the options."""
+    prompt = None if chat else _prompt(body)
+    messages = _messages(body) if chat else None
+    for key, bad in UNSUPPORTED.items():
+        if key in body and bad(body[key]):
+            raise ApiError(400, f"'{key}' is not supported by this server", key, "unsupported_parameter")
+    max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    top_k = _number(body, "top_k", 0, -1, 1_000_000, integer=True)
+    return GenerationRequest(
+        chat=chat,
+        prompt=prompt,
+        messages=messages,
+        max_key=max_key,
+        max_tokens=_max_tokens(body, max_key),
+        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+        top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)),
+        top_k=0 if top_k == -1 else top_k,
+        seed=_seed(body),
+        stop=_stops(body),
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        stream=stream,
+        include_usage=bool(options.get("include_usage")),
+        priority=int(_number(body, "priority", 0, -1_000_000, 1_000_000, integer=True)),
+    )
+
+
+def sampling_params(request: GenerationRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """The engine's sampling parameters; max_tokens must leave the prompt room in the context (default: 16 for
+    completions, the rest of the context for chat)."""
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise ApiError(
+            400,
+            f"the prompt is {prompt_len} tokens, longer than the model context of {max_model_len}; shorten it",
+            "messages" if request.chat else "prompt",
+            "context_length_exceeded",
+        )
+    if request.max_tokens is None:
+        max_tokens = min(room if request.chat else 16, room)
+    elif request.max_tokens > room:
+        raise ApiError(
+            400,
+            f"'{request.max_key}' {request.max_tokens} is too large: prompt ({prompt_len} tokens) + "
+            f"{request.max_key} must fit the context of {max_model_len} tokens (at most {room})",
+            request.max_key,
+            "context_length_exceeded",
+        )
+    else:
+        max_tokens = request.max_tokens
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        seed=request.seed,
+        stop=request.stop,
+        ignore_eos=request.ignore_eos,
+    )
+
+
+def _prompt(body: dict[str, Any]) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "'prompt' must not be empty", "prompt")
+        return prompt
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return list(prompt)
+    raise ApiError(
+        400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt"
+    )
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """Role and text of each message (text parts of a content list joined; 'developer' read as 'system')."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages")
+    clean = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, f"messages[{index}] must be an object with a 'role'", "messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(
+                p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+            )
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{index}].content must be a string", "messages")
+        if message["role"] not in ROLES:
+            raise ApiError(400, f"messages[{index}].role {message['role']!r} is not supported", "messages")
+        role = "system" if message["role"] == "developer" else message["role"]
+        clean.append({"role": role, "content": content})
+    return clean
+
+
+def _number(
+    body: dict[str, Any], key: str, default: float, low: float, high: float, integer: bool = False
+) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ApiError(400, f"'{key}' must be {'an integer' if integer else 'a number'}", key)
+    if not low <= value <= high:
+        raise ApiError(400, f"'{key}' must be between {low} and {high} (got {value})", key)
+    return value
+
+
+def _max_tokens(body: dict[str, Any], max_key: str) -> int | None:
+    raw = body.get(max_key, body.get("max_tokens"))
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise ApiError(400, f"'{max_key}' must be an integer", max_key)
+    if raw <= 0:
+        raise ApiError(400, f"'{max_key}' must be at least 1 (got {raw})", max_key)
+    return raw
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+        return tuple(s for s in stop if s)
+    raise ApiError(400, "'stop' must be a string or a list of up to 16 strings", "stop")
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, "'seed' must be an integer", "seed")
+    return seed

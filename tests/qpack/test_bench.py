@@ -1,0 +1,141 @@
+"""Benchmark machinery: the load generator against a stub server, percentiles, the bandwidth probe, schemas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from qpack.bench.loadgen import BenchRequest, percentile, run_level
+from qpack.bench.sysinfo import machine_info, memory_bandwidth_gbs
+from serve.server import free_port
+
+
+def stub_app() -> FastAPI:
+    """Streams `max_tokens` chunks, 10 ms apart after a 50 ms first token; prompt 'fail' gives a 500."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        if body["prompt"] == "fail":
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+
+        async def events():
+            await asyncio.sleep(0.05)
+            for _ in range(body["max_tokens"]):
+                yield f"data: {json.dumps({'choices': [{'text': 'x', 'finish_reason': None}]})}\n\n"
+                await asyncio.sleep(0.01)
+            usage = {
+                "completion_tokens": body["max_tokens"],
+                "prompt_tokens": 1,
+                "total_tokens": 1 + body["max_tokens"],
+            }
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def stub_url():
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(stub_app(), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join()
+
+
+def test_percentile_matches_numpy() -> None:
+    rng = np.random.default_rng(0)
+    values = rng.random(101).tolist()
+    for q in (0, 50, 95, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert np.isnan(percentile([], 50))
+
+
+def test_loadgen_counts_timings_and_errors(stub_url: str) -> None:
+    requests = [BenchRequest("hi", 5)] * 6 + [BenchRequest("fail", 5)] * 2
+    level = asyncio.run(run_level(stub_url, requests, concurrency=4, max_seconds=30))
+    summary = level.summary()
+    assert summary["completed"] == 6 and summary["errors"] == 2 and summary["unfinished"] == 0
+    assert "HTTP 500" in summary["error_samples"][0]
+    assert 0.04 < summary["ttft_s"]["p50"] < 0.5
+    assert 0.008 < summary["tpot_s"]["p50"] < 0.1
+    assert summary["e2e_s"]["p99"] >= summary["e2e_s"]["p50"] >= 0.09
+    assert summary["output_tokens_per_s"] > 0
+
+
+def test_loadgen_is_bounded_in_time_and_aborts_are_not_errors(stub_url: str) -> None:
+    slow = [BenchRequest("hi", 200)] * 4
+    started = time.perf_counter()
+    level = asyncio.run(run_level(stub_url, slow, concurrency=2, max_seconds=1.0))
+    assert time.perf_counter() - started < 5
+    summary = level.summary()
+    assert summary["unfinished"] >= 2 and summary["errors"] == 0
+    aborted = asyncio.run(
+        run_level(stub_url, [BenchRequest("hi", 20)] * 6, concurrency=3, abort_fraction=1.0, max_seconds=30)
+    )
+    assert aborted.summary()["aborted"] == 6 and aborted.summary()["errors"] == 0
+
+
+def test_poisson_mode(stub_url: str) -> None:
+    level = asyncio.run(run_level(stub_url, [BenchRequest("hi", 2)] * 5, rate=50.0, max_seconds=30, seed=1))
+    assert level.summary()["completed"] == 5 and level.label == "rate 50.0/s"
+
+
+def test_bandwidth_probe_and_machine_info() -> None:
+    bandwidth = memory_bandwidth_gbs(megabytes=64, repeats=3)
+    assert 0.5 < bandwidth < 2000
+    info = machine_info()
+    assert info["cpu_count"] >= 1 and info["torch_threads"] >= 1 and info["versions"]["torch"]
+    json.dumps(info)
+
+
+def test_decode_results_schema(tmp_path, tiny_llama, tiny_llama_calibration) -> None:
+    from qpack.bench.decode import DecodeConfig, run_decode_bench
+    from qpack.bench.report import decode_markdown, decode_plots, results_dir, write_results
+    from quantize.pipeline import QuantizeConfig, quantize_model
+    from quantize.sensitivity import SensitivityConfig
+
+    art = tmp_path / "art"
+    quantize_model(
+        QuantizeConfig(
+            output=art,
+            calibration=tiny_llama_calibration,
+            preset="int8",
+            sensitivity=SensitivityConfig(num_tokens=32),
+            calib_tokens=128,
+            eval_tokens=64,
+        )
+    )
+    result = run_decode_bench(DecodeConfig(art, batches=(1, 2), prompt_tokens=8, new_tokens=4, repeats=1))
+    assert [r["batch"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        for side in ("artifact", "reference"):
+            assert (
+                row[side]["decode_tokens_per_s"] > 0
+                and row[side]["prefill_tokens_per_s"] > 0
+                and row[side]["peak_rss_mb"] > 50
+            )
+    assert result["bound"]["ceiling_tokens_per_s"] > 0 and result["profile_batch1"]["step_ms"] > 0
+    folder = results_dir(tmp_path / "out", "decode")
+    write_results(folder, result, decode_markdown(result), decode_plots(result, folder))
+    assert {"command.txt", "results.json", "report.md", "decode_throughput.png", "memory_vs_batch.png"} <= {
+        p.name for p in folder.iterdir()
+    }
+    assert json.loads((folder / "results.json").read_text())["kind"] == "decode"

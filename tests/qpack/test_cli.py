@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from qpack.cli import app
+from quantize import __version__
+
+runner = CliRunner()
+
+
+def test_help_lists_every_command() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("calibrate", "quantize", "evaluate", "serve", "bench", "inspect", "build"):
+        assert command in result.output
+
+
+def test_version() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and __version__ in result.output
+
+
+def test_usage_error_exits_2() -> None:
+    assert runner.invoke(app, ["calibrate", "--no-such-flag"]).exit_code == 2
+
+
+def test_calibrate_json_and_errors(tmp_path: Path, tiny_llama: Path) -> None:
+    queries = tmp_path / "q.txt"
+    queries.write_text("\n".join(f"what is the meaning of item {i} in the list" for i in range(30)))
+    args = [
+        "calibrate",
+        "-m",
+        str(tiny_llama),
+        "--queries",
+        str(queries),
+        "-n",
+        "12",
+        "-o",
+        str(tmp_path / "cal"),
+    ]
+    result = runner.invoke(app, ["--json", *args])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (
+        data["ok"] and data["manifest"]["sampling"]["train"] + data["manifest"]["sampling"]["heldout"] == 12
+    )
+
+    again = runner.invoke(app, ["--json", *args])
+    assert again.exit_code == 2
+    error = json.loads(again.stdout)
+    assert error["ok"] is False and "already exists" in error["error"]
+
+    table = runner.invoke(app, [*args, "--overwrite"])
+    assert table.exit_code == 0 and "Cleaning" in table.stdout and "kept (sampling pool)" in table.stdout
+
+    missing = runner.invoke(
+        app, ["calibrate", "--queries", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "x")]
+    )
+    assert missing.exit_code == 2 and "does not exist" in missing.stderr
+    assert "Traceback" not in missing.output
+
+
+def test_quantize_and_inspect(tmp_path: Path, tiny_llama: Path, tiny_llama_calibration: Path) -> None:
+    art = tmp_path / "art"
+    args = [
+        "quantize",
+        "-c",
+        str(tiny_llama_calibration),
+        "-o",
+        str(art),
+        "--preset",
+        "int8",
+        "--name",
+        "tiny",
+    ]
+    result = runner.invoke(app, ["--json", *args, "--sensitivity-tokens", "64", "--calib-tokens", "256"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["manifest"]["name"] == "tiny" and data["manifest"]["quality"]["kl"] < 0.01
+    table = runner.invoke(app, ["inspect", str(art)])
+    assert table.exit_code == 0 and "sha256 verified" in table.stdout and "tiny v1" in table.stdout
+    raw = runner.invoke(app, ["--json", "inspect", str(art)])
+    assert json.loads(raw.stdout)["format"] == "qpack.artifact"
+    missing = runner.invoke(app, ["inspect", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "does not exist" in missing.stderr
+    bad = runner.invoke(app, ["quantize", "-c", str(tmp_path / "nocal"), "-o", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "calibration directory" in bad.stderr
+    again = runner.invoke(app, args)
+    assert again.exit_code == 2 and "already exists" in again.stderr
+
+
+def test_serve_reports_every_bad_option_at_once(tiny_llama: Path) -> None:
+    result = runner.invoke(
+        app,
+        ["--json", "serve", str(tiny_llama), "--block-size", "0", "--kv-dtype", "int3", "--port", "0"],
+    )
+    assert result.exit_code == 2
+    error = json.loads(result.stdout)["error"]
+    assert "--block-size" in error and "--kv-dtype must be one of float32, bfloat16, float16" in error
+    assert "--port" in error
