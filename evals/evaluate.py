@@ -124,10 +124,10 @@ def load_reference(
 def heldout_quality(
     reference: nn.Module, candidate: nn.Module, calibration: Path, tokens: int, seed: int, progress: Progress
 ) -> dict[str, Any]:
-    from quantize.pipeline import _eval_packs, compare_to_reference, reference_hidden
+    from quantize.quality import compare_to_reference, eval_packs, reference_hidden
 
     data = CalibrationData.load(calibration)
-    packs = _eval_packs(data, tokens, seed)
+    packs = eval_packs(data, tokens, seed)
     with progress.task(f"Held-out queries: perplexity and KL ({sum(p.num_tokens for p in packs)} tokens)"):
         hidden = reference_hidden(reference, packs)
         quality = compare_to_reference(candidate, packs, hidden, reference.lm_head)
@@ -173,6 +173,8 @@ def _write_reports(root: Path, files: dict[str, bytes]) -> dict[str, str]:
 
 
 def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> EvaluateResult:
+    """Score the artifact and its reference on MMLU (each format), compare them on held-out queries when the
+    calibration directory is at hand, apply the gate, and write the reports into the artifact (if asked)."""
     started = time.perf_counter()
     config.validate()
     artifact_dir = Path(config.artifact).expanduser().resolve()
@@ -184,40 +186,11 @@ def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> Eval
         raise QpackError(f"calibration directory {config.calibration} does not exist; fix --calibration")
 
     loaded = load_artifact(artifact_dir)
-    tokenizer = load_tokenizer(artifact_dir)
     reference, reference_info = load_reference(config.reference, manifest, progress)
-    by_subject = data.by_subject()
     timings: dict[str, float] = {}
-    formats: dict[str, dict[str, Any]] = {}
-    items_per_second: dict[str, float] = {}
-    for fmt in config.formats:
-        phase = time.perf_counter()
-        ref_scores = score(
-            reference,
-            tokenizer,
-            fmt,
-            by_subject,
-            data.dev,
-            config.shots,
-            config.token_budget,
-            progress,
-            "reference",
-        )
-        cand_scores = score(
-            loaded.model,
-            tokenizer,
-            fmt,
-            by_subject,
-            data.dev,
-            config.shots,
-            config.token_budget,
-            progress,
-            "artifact",
-        )
-        elapsed = time.perf_counter() - phase
-        timings[f"mmlu_{fmt}"] = elapsed
-        items_per_second[fmt] = 2 * len(data.test) / max(elapsed, 1e-9)
-        formats[fmt] = drift_report(data.test, ref_scores, cand_scores, seed=config.seed)
+    formats, items_per_second = _score_formats(
+        config, reference, loaded.model, load_tokenizer(artifact_dir), data, timings, progress
+    )
     heldout = None
     if calibration_ok:
         phase = time.perf_counter()
@@ -233,7 +206,7 @@ def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> Eval
             "layout": data.layout,
             "source": data.source,
             "sha256": data.sha256,
-            "subjects": len(by_subject),
+            "subjects": len(data.by_subject()),
             "questions": len(data.test),
             "shots": config.shots,
             "limit": config.limit,
@@ -251,26 +224,70 @@ def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> Eval
     }
     report_dir = None
     if config.write:
-        report_dir = artifact_dir / REPORT_DIR
-        files: dict[str, bytes] = {"report.md": markdown(result).encode()}
-        for fmt, report in formats.items():
-            title = f"{loaded.name} vs {reference_info['id']} ({fmt}, {config.shots}-shot)"
-            files[f"drift_{fmt}.png"] = drift_png(report, title)
-            files[f"answer_kl_{fmt}.png"] = kl_histogram_png(report["kl_values"], title)
-        compact = {
-            **result,
-            "formats": {f: {k: v for k, v in r.items() if k != "kl_values"} for f, r in formats.items()},
-        }
-        files["mmlu.json"] = json.dumps(compact, indent=2).encode()
-        hashes = _write_reports(artifact_dir, files)
-        fresh = read_json(artifact_dir / MANIFEST_FILE, "artifact manifest")
-        fresh["files"] = {**fresh.get("files", {}), **hashes}
-        summary = "; ".join(
-            f"{fmt} acc {r['candidate']['accuracy']:.1%} (ref {r['reference']['accuracy']:.1%}, "
-            f"drift {r['drift_points']:+.2f} pts, flips {r['flips']['flip_rate']:.1%})"
-            for fmt, r in formats.items()
-        )
-        fresh.setdefault("evals", {})["mmlu"] = {**compact, "summary": summary, "data_sha256": data.sha256}
-        write_json(artifact_dir / MANIFEST_FILE, fresh)
-        verify_artifact(artifact_dir)
+        report_dir = _write_into_artifact(artifact_dir, result, loaded.name, config.shots, data.sha256)
     return EvaluateResult(result, not reasons, reasons, report_dir)
+
+
+def _score_formats(
+    config: EvaluateConfig,
+    reference: nn.Module,
+    candidate: nn.Module,
+    tokenizer: Any,
+    data: Any,
+    timings: dict[str, float],
+    progress: Progress,
+) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+    """Per format: both models scored on the same questions, and the drift report between them."""
+    by_subject = data.by_subject()
+    formats: dict[str, dict[str, Any]] = {}
+    items_per_second: dict[str, float] = {}
+    for fmt in config.formats:
+        phase = time.perf_counter()
+        scores = [
+            score(
+                model,
+                tokenizer,
+                fmt,
+                by_subject,
+                data.dev,
+                config.shots,
+                config.token_budget,
+                progress,
+                label,
+            )
+            for model, label in ((reference, "reference"), (candidate, "artifact"))
+        ]
+        elapsed = time.perf_counter() - phase
+        timings[f"mmlu_{fmt}"] = elapsed
+        items_per_second[fmt] = 2 * len(data.test) / max(elapsed, 1e-9)
+        formats[fmt] = drift_report(data.test, scores[0], scores[1], seed=config.seed)
+    return formats, items_per_second
+
+
+def _write_into_artifact(
+    artifact_dir: Path, result: dict[str, Any], name: str, shots: int, data_sha256: str
+) -> Path:
+    """report.md, plots and mmlu.json under ARTIFACT/evals, and the manifest's `evals` section and hashes."""
+    formats = result["formats"]
+    files: dict[str, bytes] = {"report.md": markdown(result).encode()}
+    for fmt, report in formats.items():
+        title = f"{name} vs {result['reference']['id']} ({fmt}, {shots}-shot)"
+        files[f"drift_{fmt}.png"] = drift_png(report, title)
+        files[f"answer_kl_{fmt}.png"] = kl_histogram_png(report["kl_values"], title)
+    compact = {
+        **result,
+        "formats": {f: {k: v for k, v in r.items() if k != "kl_values"} for f, r in formats.items()},
+    }
+    files["mmlu.json"] = json.dumps(compact, indent=2).encode()
+    hashes = _write_reports(artifact_dir, files)
+    fresh = read_json(artifact_dir / MANIFEST_FILE, "artifact manifest")
+    fresh["files"] = {**fresh.get("files", {}), **hashes}
+    summary = "; ".join(
+        f"{fmt} acc {r['candidate']['accuracy']:.1%} (ref {r['reference']['accuracy']:.1%}, "
+        f"drift {r['drift_points']:+.2f} pts, flips {r['flips']['flip_rate']:.1%})"
+        for fmt, r in formats.items()
+    )
+    fresh.setdefault("evals", {})["mmlu"] = {**compact, "summary": summary, "data_sha256": data_sha256}
+    write_json(artifact_dir / MANIFEST_FILE, fresh)
+    verify_artifact(artifact_dir)
+    return artifact_dir / REPORT_DIR

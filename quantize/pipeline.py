@@ -10,7 +10,6 @@ write the artifact atomically.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,33 +21,18 @@ from torch import nn
 
 from quantize import algorithms as A
 from quantize.artifact import save_artifact
-from quantize.calibdata import CalibrationData, ChannelStats
+from quantize.blockwise import quantize_layers
+from quantize.calibdata import CalibrationData
 from quantize.errors import QpackError
 from quantize.fileio import check_output_dir
-from quantize.handlers import handler_for
-from quantize.layerwise import (
-    LayerwiseModel,
-    Pack,
-    input_hessians,
-    make_packs,
-    next_token_targets,
-    sample_sequences,
-)
 from quantize.models import ModelSource, load_model, resolve_model, weights_sha256
 from quantize.plan import EMBEDDING_NAMES, Plan, PlanRules, is_decoder_linear
 from quantize.planner import Option, solve
 from quantize.progress import NULL_PROGRESS, Progress
-from quantize.schemes import W8A8, Int4, Int8, Scheme, parse_scheme
+from quantize.quality import compare_to_reference, eval_packs, reference_hidden
+from quantize.schemes import Int4, Int8, Scheme, parse_scheme
 from quantize.sensitivity import METHODS, SensitivityConfig, SensitivityTable, measure_sensitivity
-from quantize.surgery import (
-    QuantizedWeight,
-    fold_input_scale,
-    get_module,
-    input_groups,
-    install,
-    kept_module_names,
-    linear_shapes,
-)
+from quantize.surgery import QuantizedWeight, install, kept_module_names, linear_shapes
 
 
 @dataclass(frozen=True)
@@ -182,7 +166,41 @@ def build_plan(
     progress: Progress,
     warnings: list[str],
 ) -> tuple[Plan, SensitivityTable | None, list[Scheme], dict[str, Any]]:
+    """The plan, resolved before any weight changes: overrides first, then the preset's candidates for the
+    layers left free, uniformly or (under a size or KL budget) by measured sensitivity and the exact knapsack.
+    A size budget below what the candidates can reach is refused before any sensitivity is measured."""
     shapes = linear_shapes(model)
+    plan, free = _apply_rules(config, shapes, warnings)
+    candidates = _candidates(config)
+    per_layer = _layer_candidates(free, shapes, candidates, warnings)
+    target_bits = config.target_bits if config.target_bits is not None else PRESETS[config.preset].target_bits
+    info: dict[str, Any] = {"candidates": [s.label() for s in candidates], "target_bits": target_bits}
+    table: SensitivityTable | None = None
+    if all(len(v) == 1 for v in per_layer.values()) or (target_bits is None and config.max_kl is None):
+        for fqn in free:
+            plan.schemes[fqn] = min(per_layer[fqn], key=lambda s, f=fqn: s.bits_per_weight(*shapes[f]))
+            plan.sources[fqn] = f"preset {config.preset}"
+        info["planner"] = "uniform"
+    else:
+        if config.max_kl is None:
+            assert target_bits is not None
+            target_bits = _reachable_target(config, plan, per_layer, target_bits, warnings)
+            info["target_bits"] = target_bits
+        table, info["sensitivity_cache_hits"] = measure_sensitivity(
+            model, per_layer, calibration.heldout, config.sensitivity, weights_sha, calibration.path, progress
+        )
+        _solve_budget(config, plan, per_layer, table, target_bits, info)
+    for fqn, scheme in plan.schemes.items():
+        if scheme is not None:
+            plan.algorithms[fqn] = _algorithm_for(scheme, config.algorithm)
+    plan.validate()
+    return plan, table, candidates, info
+
+
+def _apply_rules(
+    config: QuantizeConfig, shapes: dict[str, tuple[int, int]], warnings: list[str]
+) -> tuple[Plan, list[str]]:
+    """The plan with every override applied and the head kept; the decoder linears left for the planner."""
     rules = PlanRules.parse(config.overrides)
     unmatched = rules.unmatched_patterns(shapes)
     embedding_hits = [p for p in unmatched if any(e in p for e in EMBEDDING_NAMES)]
@@ -195,7 +213,6 @@ def build_plan(
             f"--override pattern(s) {', '.join(unmatched)} match no linear layer of this model "
             "(names look like model.layers.0.mlp.down_proj; prefix regexes with re:)"
         )
-    candidates = _candidates(config)
     plan = Plan(shapes=shapes)
     free: list[str] = []
     for fqn in shapes:
@@ -210,11 +227,17 @@ def build_plan(
         else:
             plan.schemes[fqn] = None
             plan.sources[fqn] = "kept (head)"
+    return plan, free
+
+
+def _layer_candidates(
+    free: list[str], shapes: dict[str, tuple[int, int]], candidates: list[Scheme], warnings: list[str]
+) -> dict[str, list[Scheme]]:
+    """The candidate schemes each free layer's shape allows (int8 where none does)."""
     per_layer: dict[str, list[Scheme]] = {}
     fallbacks: list[str] = []
     for fqn in free:
-        in_features, out_features = shapes[fqn]
-        valid = [s for s in candidates if not s.problems(in_features, out_features)]
+        valid = [s for s in candidates if not s.problems(*shapes[fqn])]
         if not valid:
             valid = [Int8()]
             fallbacks.append(fqn)
@@ -224,246 +247,85 @@ def build_plan(
             f"{len(fallbacks)} layers cannot use any candidate scheme (e.g. {fallbacks[0]} with in_features "
             f"{shapes[fallbacks[0]][0]}); they fall back to int8"
         )
-    preset = PRESETS[config.preset]
-    target_bits = config.target_bits if config.target_bits is not None else preset.target_bits
-    uniform = all(len(v) == 1 for v in per_layer.values()) or (target_bits is None and config.max_kl is None)
-    info: dict[str, Any] = {"candidates": [s.label() for s in candidates], "target_bits": target_bits}
-    table: SensitivityTable | None = None
-    if uniform:
-        for fqn in free:
-            plan.schemes[fqn] = min(per_layer[fqn], key=lambda s, f=fqn: s.bits_per_weight(*shapes[f]))
-            plan.sources[fqn] = f"preset {config.preset}"
-        info["planner"] = "uniform"
-    else:
-        table, hits = measure_sensitivity(
-            model, per_layer, calibration.heldout, config.sensitivity, weights_sha, calibration.path, progress
-        )
-        info["sensitivity_cache_hits"] = hits
-        layers: dict[str, list[Option]] = {}
-        for fqn in free:
-            n = shapes[fqn][0] * shapes[fqn][1]
-            layers[fqn] = [
-                Option(s, s.bits_per_weight(*shapes[fqn]) * n, table.value(fqn, s)[0]) for s in per_layer[fqn]
-            ]
-        fixed_bits = 0.0
-        fixed_weights = 0
-        for fqn, scheme in plan.schemes.items():
-            if scheme is not None:
-                n = shapes[fqn][0] * shapes[fqn][1]
-                fixed_bits += scheme.bits_per_weight(*shapes[fqn]) * n
-                fixed_weights += n
-        if config.max_kl is not None:
-            chosen, predicted = solve(layers, max_kl=config.max_kl)
-        else:
-            assert target_bits is not None
-            total_weights = fixed_weights + sum(shapes[f][0] * shapes[f][1] for f in free)
-            floor_bits = (fixed_bits + sum(min(o.bits for o in layers[f]) for f in free)) / total_weights
-            if target_bits < floor_bits:
-                if config.target_bits is not None:
-                    raise QpackError(
-                        f"size budget impossible: --target-bits {target_bits} is below the {floor_bits:.3f} bits per "
-                        "weight these layers need with the cheapest candidate schemes; raise --target-bits"
-                    )
-                warnings.append(
-                    f"the {config.preset} preset's {target_bits}-bit budget is below this model's floor of "
-                    f"{floor_bits:.3f} bits (some layers cannot use the cheapest scheme); using {floor_bits:.3f}"
-                )
-                target_bits = floor_bits
-                info["target_bits"] = target_bits
-            chosen, predicted = solve(layers, budget_bits=target_bits * total_weights - fixed_bits + 1e-6)
-        for fqn, option in chosen.items():
-            plan.schemes[fqn] = option.scheme
-            plan.sources[fqn] = "planner"
-        info["planner"] = "exact knapsack (DP)"
-        info["predicted_kl"] = predicted
-        info["budget"] = (
-            {"max_kl": config.max_kl} if config.max_kl is not None else {"target_bits": target_bits}
-        )
+    return per_layer
+
+
+def _weights(shape: tuple[int, int]) -> int:
+    return shape[0] * shape[1]
+
+
+def _fixed_bits(plan: Plan) -> tuple[float, int]:
+    """Storage bits and weights of the linears the rules already fixed to a scheme."""
+    bits, weights = 0.0, 0
     for fqn, scheme in plan.schemes.items():
         if scheme is not None:
-            plan.algorithms[fqn] = _algorithm_for(scheme, config.algorithm)
-    plan.validate()
-    return plan, table, candidates, info
+            bits += scheme.bits_per_weight(*plan.shapes[fqn]) * _weights(plan.shapes[fqn])
+            weights += _weights(plan.shapes[fqn])
+    return bits, weights
 
 
-def _rms(stats: dict[str, ChannelStats], fqn: str, hessian: torch.Tensor | None, tokens: int) -> torch.Tensor:
-    if fqn in stats:
-        return stats[fqn].mean_sq.to(torch.float32).clamp_min(0).sqrt()
-    assert hessian is not None
-    return (torch.diag(hessian) / max(tokens, 1)).clamp_min(0).sqrt()
-
-
-def quantize_layers(
-    model: nn.Module,
-    plan: Plan,
-    calibration: CalibrationData,
+def _reachable_target(
     config: QuantizeConfig,
-    progress: Progress = NULL_PROGRESS,
-) -> dict[str, QuantizedWeight]:
-    """Block by block: fold AWQ/SmoothQuant scales, quantize with GPTQ/RTN, propagate through fake-quant weights."""
-    lw = LayerwiseModel(model)
-    sequences = sample_sequences(calibration.train, config.calib_tokens, config.seed)
-    packs = make_packs(sequences, 512, share_prefix=True)
-    num_tokens = int(sum(p.represented_tokens for p in packs))
-    records: dict[str, QuantizedWeight] = {}
-    groups = input_groups(model)
-    with torch.inference_mode():
-        hidden = [lw.embed(p) for p in packs]
-    with progress.task(
-        f"Quantizing {lw.num_layers} blocks on {num_tokens:,} calibration tokens", total=lw.num_layers
-    ) as task:
-        for index in range(lw.num_layers):
-            block_groups = [g for g in groups if g.block == index]
-            planned = {
-                m: plan.schemes[m] for g in block_groups for m in g.members if plan.schemes.get(m) is not None
-            }
-            needs = {plan.algorithms[m] for m in planned} & {"gptq", "awq", "smoothquant"}
-            heads = {g.name: g.members[0] for g in block_groups}
-            hessians = (
-                input_hessians(
-                    lw, index, {g: get_module(model, fqn) for g, fqn in heads.items()}, hidden, packs
-                )
-                if needs
-                else {}
+    plan: Plan,
+    per_layer: dict[str, list[Scheme]],
+    target_bits: float,
+    warnings: list[str],
+) -> float:
+    """The size budget in bits per weight, checked against the range the candidates can reach (which depends
+    on layer shapes only): an explicit --target-bits below it is an error, a preset's budget is raised to it."""
+    fixed_bits, fixed_weights = _fixed_bits(plan)
+    total = fixed_weights + sum(_weights(plan.shapes[f]) for f in per_layer)
+    cheapest = {f: min(s.bits_per_weight(*plan.shapes[f]) for s in v) for f, v in per_layer.items()}
+    dearest = {f: max(s.bits_per_weight(*plan.shapes[f]) for s in v) for f, v in per_layer.items()}
+    floor = (fixed_bits + sum(cheapest[f] * _weights(plan.shapes[f]) for f in per_layer)) / total
+    ceiling = (fixed_bits + sum(dearest[f] * _weights(plan.shapes[f]) for f in per_layer)) / total
+    if target_bits >= floor:
+        return target_bits
+    if config.target_bits is not None:
+        raise QpackError(
+            f"size budget impossible: --target-bits {target_bits} is below the {floor:.3f} bits per weight these "
+            f"layers need with the cheapest candidate schemes (reachable: {floor:.3f} to {ceiling:.3f}); raise "
+            "--target-bits or add cheaper --scheme candidates"
+        )
+    warnings.append(
+        f"the {config.preset} preset's {target_bits}-bit budget is below this model's floor of "
+        f"{floor:.3f} bits (some layers cannot use the cheapest scheme); using {floor:.3f}"
+    )
+    return floor
+
+
+def _solve_budget(
+    config: QuantizeConfig,
+    plan: Plan,
+    per_layer: dict[str, list[Scheme]],
+    table: SensitivityTable,
+    target_bits: float | None,
+    info: dict[str, Any],
+) -> None:
+    """Each free layer's scheme from the exact knapsack over measured sensitivity, under --max-kl (fewest bits)
+    or the size budget (least predicted KL)."""
+    layers = {
+        fqn: [
+            Option(
+                s, s.bits_per_weight(*plan.shapes[fqn]) * _weights(plan.shapes[fqn]), table.value(fqn, s)[0]
             )
-            smooth: dict[str, torch.Tensor] = {}
-            info: dict[str, dict[str, Any]] = {}
-            with torch.no_grad():
-                for group in block_groups:
-                    members = [m for m in group.members if m in planned]
-                    if not members:
-                        continue
-                    algorithms = {plan.algorithms[m] for m in members}
-                    weights = [get_module(model, m).weight.detach().to(torch.float32) for m in group.members]
-                    h = hessians.get(group.name)
-                    s: torch.Tensor | None = None
-                    if "smoothquant" in algorithms:
-                        stat = calibration.stats.get(group.members[0])
-                        abs_max = stat.abs_max if stat is not None else torch.diag(h).sqrt()  # type: ignore[arg-type]
-                        s = A.smoothquant_factor(weights, abs_max, config.smoothquant_alpha)
-                        for m in members:
-                            info.setdefault(m, {})["smoothquant_alpha"] = config.smoothquant_alpha
-                    elif "awq" in algorithms and group.predecessor is not None and h is not None:
-                        schemes = [
-                            plan.schemes.get(m) if plan.algorithms.get(m) == "awq" else None
-                            for m in group.members
-                        ]
-                        s, alpha = A.awq_search(
-                            weights,
-                            schemes,
-                            h,
-                            _rms(calibration.stats, group.members[0], h, num_tokens),
-                            config.awq,
-                        )
-                        for m in members:
-                            info.setdefault(m, {})["awq_alpha"] = alpha
-                    if s is not None:
-                        if group.predecessor is not None:
-                            fold_input_scale(model, group, s)
-                        else:
-                            for m in members:
-                                if isinstance(plan.schemes[m], W8A8):
-                                    smooth[m] = s
-                                    get_module(model, m).weight.mul_(s[None, :])
-                        if h is not None and group.predecessor is not None:
-                            hessians[group.name] = h / s[:, None] / s[None, :]
-                for group in block_groups:
-                    prepared: A.PreparedHessian | None = None
-                    for fqn in group.members:
-                        scheme = plan.schemes.get(fqn)
-                        if scheme is None:
-                            continue
-                        linear = get_module(model, fqn)
-                        assert isinstance(linear, nn.Linear), fqn
-                        algorithm = plan.algorithms[fqn]
-                        weight = linear.weight.detach().to(torch.float32)
-                        h = hessians.get(group.name)
-                        if algorithm == "gptq" and h is not None and isinstance(scheme, Int8 | Int4 | W8A8):
-                            prepared = prepared or A.prepare_hessian(h, config.gptq)
-                            tensors = A.gptq(scheme, weight, prepared, config.gptq)
-                        else:
-                            tensors = A.rtn(scheme, weight)
-                        if fqn in smooth:
-                            tensors["smooth"] = smooth[fqn].to(torch.float32)
-                        bias = None if linear.bias is None else linear.bias.detach().to(torch.float32).clone()
-                        records[fqn] = QuantizedWeight(scheme, algorithm, tensors, bias, info.get(fqn, {}))
-                        dequantized = handler_for(scheme).dequantize(scheme, tensors)
-                        linear.weight.copy_(dequantized.to(linear.weight.dtype))
-            with torch.inference_mode():
-                hidden = [lw.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
-            task.advance()
-    for fqn, scheme in plan.quantized().items():
-        if fqn in records:
-            continue
-        linear = get_module(model, fqn)
-        assert isinstance(linear, nn.Linear), fqn
-        weight = linear.weight.detach().to(torch.float32)
-        if plan.algorithms[fqn] == "gptq" and isinstance(scheme, Int8 | Int4 | W8A8) and fqn == "lm_head":
-            with torch.inference_mode():
-                normed = [
-                    lw.norm(h)[0] * p.weights[:, None].sqrt() for h, p in zip(hidden, packs, strict=True)
-                ]
-            x = torch.cat(normed)
-            tensors = A.gptq(scheme, weight, x.t() @ x, config.gptq)
-        else:
-            tensors = A.rtn(scheme, weight)
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.float32).clone()
-        records[fqn] = QuantizedWeight(scheme, plan.algorithms[fqn], tensors, bias)
-    lw.forget_rope()
-    return records
-
-
-def _eval_packs(calibration: CalibrationData, tokens: int, seed: int) -> list[Pack]:
-    return make_packs(sample_sequences(calibration.heldout, tokens, seed + 1), 512)
-
-
-@torch.inference_mode()
-def reference_hidden(model: nn.Module, packs: list[Pack]) -> list[torch.Tensor]:
-    lw = LayerwiseModel(model)
-    out = [lw.final_hidden(p)[0] for p in packs]
-    lw.forget_rope()
-    return out
-
-
-@torch.inference_mode()
-def compare_to_reference(
-    model: nn.Module,
-    packs: list[Pack],
-    reference: list[torch.Tensor],
-    reference_head: nn.Module,
-    chunk: int = 128,
-) -> dict[str, float]:
-    """KL, top-1 agreement and perplexities of `model` against FP32 final hidden states on held-out packs.
-
-    Logits are formed `chunk` positions at a time (a 49k vocabulary at 512 positions is 100 MB per copy).
-    """
-    lw = LayerwiseModel(model)
-    kl, top1, nll_ref, nll_q = [], [], [], []
-    for pack, ref in zip(packs, reference, strict=True):
-        candidate = lw.final_hidden(pack)[0]
-        targets = next_token_targets(pack)
-        for part in range(0, pack.num_tokens, chunk):
-            rows = slice(part, min(part + chunk, pack.num_tokens))
-            ref_logp = torch.log_softmax(reference_head(ref[rows]).float(), -1)
-            cand_logp = torch.log_softmax(lw.lm_head(candidate[rows]).float(), -1)
-            kl.append((ref_logp.exp() * (ref_logp - cand_logp)).sum(-1).clamp_min(0))
-            top1.append(ref_logp.argmax(-1) == cand_logp.argmax(-1))
-            t = targets[rows]
-            valid = t >= 0
-            idx = t.clamp_min(0)[:, None]
-            nll_ref.append(-ref_logp.gather(1, idx)[:, 0][valid])
-            nll_q.append(-cand_logp.gather(1, idx)[:, 0][valid])
-            del ref_logp, cand_logp
-    lw.forget_rope()
-    kl_all, nll_r, nll_c = torch.cat(kl), torch.cat(nll_ref), torch.cat(nll_q)
-    return {
-        "tokens": int(kl_all.numel()),
-        "kl": float(kl_all.mean()),
-        "kl_p95": float(torch.quantile(kl_all, 0.95)),
-        "top1_agreement": float(torch.cat(top1).float().mean()),
-        "ppl_reference": float(math.exp(float(nll_r.mean()))),
-        "ppl": float(math.exp(float(nll_c.mean()))),
+            for s in schemes
+        ]
+        for fqn, schemes in per_layer.items()
     }
+    if config.max_kl is not None:
+        chosen, predicted = solve(layers, max_kl=config.max_kl)
+    else:
+        assert target_bits is not None
+        fixed_bits, fixed_weights = _fixed_bits(plan)
+        total = fixed_weights + sum(_weights(plan.shapes[f]) for f in per_layer)
+        chosen, predicted = solve(layers, budget_bits=target_bits * total - fixed_bits + 1e-6)
+    for fqn, option in chosen.items():
+        plan.schemes[fqn] = option.scheme
+        plan.sources[fqn] = "planner"
+    info["planner"] = "exact knapsack (DP)"
+    info["predicted_kl"] = predicted
+    info["budget"] = {"max_kl": config.max_kl} if config.max_kl is not None else {"target_bits": target_bits}
 
 
 def _check_calibration_matches(source: ModelSource, calibration: CalibrationData, weights_sha: str) -> None:
@@ -476,14 +338,18 @@ def _check_calibration_matches(source: ModelSource, calibration: CalibrationData
         )
 
 
-def quantize_model(
-    config: QuantizeConfig,
-    progress: Progress = NULL_PROGRESS,
-    on_plan: Callable[[Plan, dict[str, Any]], None] | None = None,
-) -> QuantizeResult:
-    started = time.perf_counter()
-    timings: dict[str, float] = {}
-    warnings: list[str] = []
+@dataclass
+class _Inputs:
+    """Everything a quantize run reads, checked: options, output path, calibration, model."""
+
+    output: Path
+    calibration: CalibrationData
+    source: ModelSource
+    weights_sha: str
+    model: nn.Module
+
+
+def _load_inputs(config: QuantizeConfig, progress: Progress, timings: dict[str, float]) -> _Inputs:
     config.validate()
     output = Path(config.output).expanduser().resolve()
     check_output_dir(output, config.overwrite, "artifact directory")
@@ -495,37 +361,46 @@ def quantize_model(
     phase = time.perf_counter()
     model = load_model(source)
     timings["load"] = time.perf_counter() - phase
+    return _Inputs(output, calibration, source, weights_sha, model)
 
-    phase = time.perf_counter()
-    plan, table, candidates, info = build_plan(config, model, calibration, weights_sha, progress, warnings)
-    timings["plan"] = time.perf_counter() - phase
-    kept = kept_module_names(model)
-    info["summary"] = plan.summary(kept)
-    if on_plan is not None:
-        on_plan(plan, info)
 
+def _quantize_and_measure(
+    inputs: _Inputs, plan: Plan, config: QuantizeConfig, progress: Progress, timings: dict[str, float]
+) -> tuple[dict[str, QuantizedWeight], dict[str, Any]]:
+    """Quantize the planned linears, install them, and measure the result against the FP32 model's held-out
+    hidden states (taken before any weight changed)."""
+    model = inputs.model
     phase = time.perf_counter()
-    eval_packs = _eval_packs(calibration, config.eval_tokens, config.seed)
-    reference = reference_hidden(model, eval_packs)
+    packs = eval_packs(inputs.calibration, config.eval_tokens, config.seed)
+    reference = reference_hidden(model, packs)
     reference_head = model.lm_head
     if plan.schemes.get("lm_head") is not None:
         reference_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
         reference_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
-    records = quantize_layers(model, plan, calibration, config, progress)
+    records = quantize_layers(model, plan, inputs.calibration, config, progress)
     timings["quantize"] = time.perf_counter() - phase
-
     for fqn, record in records.items():
         install(model, fqn, record)
     phase = time.perf_counter()
     with progress.task("Measuring the artifact against FP32 on held-out tokens"):
-        quality = compare_to_reference(model, eval_packs, reference, reference_head)
+        quality = compare_to_reference(model, packs, reference, reference_head)
     timings["evaluate"] = time.perf_counter() - phase
-    quality["predicted_kl"] = info.get("predicted_kl")
+    return records, quality
 
-    from quantize.report import heatmap_png
 
-    heatmap = heatmap_png(plan, table, candidates) if table is not None else heatmap_png(plan, None, [])
-    manifest_in = {
+def _manifest(
+    config: QuantizeConfig,
+    inputs: _Inputs,
+    info: dict[str, Any],
+    records: dict[str, QuantizedWeight],
+    table: SensitivityTable | None,
+    quality: dict[str, Any],
+    timings: dict[str, float],
+    warnings: list[str],
+) -> dict[str, Any]:
+    """The manifest's provenance, plan and quality sections (the artifact writer adds files, sizes, hashes)."""
+    source, calibration = inputs.source, inputs.calibration
+    return {
         "name": config.name or f"{source.model_id.rsplit('/', 1)[-1]}-{config.preset}",
         "version": config.version,
         "source": {
@@ -533,7 +408,7 @@ def quantize_model(
             "kind": source.kind,
             "model_type": source.model_type,
             "architecture": source.architecture,
-            "weights_sha256": weights_sha,
+            "weights_sha256": inputs.weights_sha,
         },
         "calibration": {
             "path": str(calibration.path),
@@ -559,23 +434,45 @@ def quantize_model(
         },
         "sensitivity": None
         if table is None
-        else {
-            "method": table.method,
-            "tokens": table.num_tokens,
-            "rows": table.rows(),
-        },
+        else {"method": table.method, "tokens": table.num_tokens, "rows": table.rows()},
         "quality": quality,
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "evals": {},
     }
+
+
+def quantize_model(
+    config: QuantizeConfig,
+    progress: Progress = NULL_PROGRESS,
+    on_plan: Callable[[Plan, dict[str, Any]], None] | None = None,
+) -> QuantizeResult:
+    """Load and check the inputs, plan (shown through `on_plan` before any weight changes), quantize and
+    measure, write the artifact atomically, export if asked."""
+    from quantize.report import heatmap_png
+
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    warnings: list[str] = []
+    inputs = _load_inputs(config, progress, timings)
+    phase = time.perf_counter()
+    plan, table, candidates, info = build_plan(
+        config, inputs.model, inputs.calibration, inputs.weights_sha, progress, warnings
+    )
+    timings["plan"] = time.perf_counter() - phase
+    info["summary"] = plan.summary(kept_module_names(inputs.model))
+    if on_plan is not None:
+        on_plan(plan, info)
+    records, quality = _quantize_and_measure(inputs, plan, config, progress, timings)
+    quality["predicted_kl"] = info.get("predicted_kl")
+    heatmap = heatmap_png(plan, table, candidates) if table is not None else heatmap_png(plan, None, [])
     phase = time.perf_counter()
     manifest = save_artifact(
-        output,
-        model=model,
+        inputs.output,
+        model=inputs.model,
         plan=plan,
         records=records,
-        source_dir=source.path,
-        manifest=manifest_in,
+        source_dir=inputs.source.path,
+        manifest=_manifest(config, inputs, info, records, table, quality, timings, warnings),
         heatmap=heatmap,
         overwrite=config.overwrite,
     )
@@ -583,7 +480,10 @@ def quantize_model(
     if config.export == "compressed-tensors":
         from quantize.export import export_compressed_tensors
 
+        output = inputs.output
         manifest["export"] = export_compressed_tensors(
             output, output.parent / f"{output.name}-compressed-tensors", config.overwrite
         )
-    return QuantizeResult(output, manifest, plan, time.perf_counter() - started, warnings, model)
+    return QuantizeResult(
+        inputs.output, manifest, plan, time.perf_counter() - started, warnings, inputs.model
+    )

@@ -1,0 +1,204 @@
+"""Applying a plan block by block: fold AWQ/SmoothQuant scales, quantize with GPTQ or RTN, move on.
+
+Calibration activations enter block 0 and are carried forward through each block *after* it is quantized, so
+every block is calibrated on the inputs it will really see (the errors of the blocks before it included), and
+peak memory is one block's activations. Per block: the input Hessians its groups need (only when an algorithm
+uses them), scale folding for each input group (AWQ searches a per-channel scale, SmoothQuant computes one;
+folded into the previous norm or linear, or kept beside a w8a8 weight), then each planned linear quantized in
+place of its float weight, which is overwritten with its dequantized form for the next block's inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from quantize import algorithms as A
+from quantize.calibdata import CalibrationData, ChannelStats
+from quantize.handlers import handler_for
+from quantize.layerwise import LayerwiseModel, Pack, input_hessians, make_packs, sample_sequences
+from quantize.plan import Plan
+from quantize.progress import NULL_PROGRESS, Progress
+from quantize.schemes import W8A8, Int4, Int8
+from quantize.surgery import InputGroup, QuantizedWeight, fold_input_scale, get_module, input_groups
+
+if TYPE_CHECKING:
+    from quantize.pipeline import QuantizeConfig
+
+
+@dataclass
+class _Run:
+    """What every block of one run shares."""
+
+    model: nn.Module
+    plan: Plan
+    calibration: CalibrationData
+    config: QuantizeConfig
+    num_tokens: int
+
+
+def quantize_layers(
+    model: nn.Module,
+    plan: Plan,
+    calibration: CalibrationData,
+    config: QuantizeConfig,
+    progress: Progress = NULL_PROGRESS,
+) -> dict[str, QuantizedWeight]:
+    """The stored form of every planned linear; the model's float weights are left dequantized."""
+    lw = LayerwiseModel(model)
+    packs = make_packs(
+        sample_sequences(calibration.train, config.calib_tokens, config.seed), 512, share_prefix=True
+    )
+    run = _Run(model, plan, calibration, config, int(sum(p.represented_tokens for p in packs)))
+    records: dict[str, QuantizedWeight] = {}
+    groups = input_groups(model)
+    with torch.inference_mode():
+        hidden = [lw.embed(p) for p in packs]
+    title = f"Quantizing {lw.num_layers} blocks on {run.num_tokens:,} calibration tokens"
+    with progress.task(title, total=lw.num_layers) as task:
+        for index in range(lw.num_layers):
+            block_groups = [g for g in groups if g.block == index]
+            records.update(_quantize_block(run, lw, index, block_groups, hidden, packs))
+            with torch.inference_mode():
+                hidden = [lw.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
+            task.advance()
+    records.update(_quantize_outside_blocks(run, lw, set(records), hidden, packs))
+    lw.forget_rope()
+    return records
+
+
+def _quantize_block(
+    run: _Run,
+    lw: LayerwiseModel,
+    index: int,
+    block_groups: list[InputGroup],
+    hidden: list[torch.Tensor],
+    packs: list[Pack],
+) -> dict[str, QuantizedWeight]:
+    planned = {m for g in block_groups for m in g.members if run.plan.schemes.get(m) is not None}
+    needs = {run.plan.algorithms[m] for m in planned} & {"gptq", "awq", "smoothquant"}
+    heads = {g.name: get_module(run.model, g.members[0]) for g in block_groups}
+    hessians = input_hessians(lw, index, heads, hidden, packs) if needs else {}
+    smooth: dict[str, torch.Tensor] = {}
+    info: dict[str, dict[str, Any]] = {}
+    records: dict[str, QuantizedWeight] = {}
+    with torch.no_grad():
+        for group in block_groups:
+            members = [m for m in group.members if m in planned]
+            if members:
+                _fold_group_scale(run, group, members, hessians, smooth, info)
+        for group in block_groups:
+            records.update(_quantize_group(run, group, hessians.get(group.name), smooth, info))
+    return records
+
+
+def _fold_group_scale(
+    run: _Run,
+    group: InputGroup,
+    members: list[str],
+    hessians: dict[str, torch.Tensor],
+    smooth: dict[str, torch.Tensor],
+    info: dict[str, dict[str, Any]],
+) -> None:
+    """SmoothQuant's or AWQ's per-input-channel scale for one input group, folded into the module in front of
+    it (or, with nothing to fold into, kept for the w8a8 members in `smooth`); the group's Hessian follows."""
+    plan, config = run.plan, run.config
+    algorithms = {plan.algorithms[m] for m in members}
+    weights = [get_module(run.model, m).weight.detach().to(torch.float32) for m in group.members]
+    h = hessians.get(group.name)
+    scale: torch.Tensor | None = None
+    if "smoothquant" in algorithms:
+        stat = run.calibration.stats.get(group.members[0])
+        abs_max = stat.abs_max if stat is not None else torch.diag(h).sqrt()  # type: ignore[arg-type]
+        scale = A.smoothquant_factor(weights, abs_max, config.smoothquant_alpha)
+        for m in members:
+            info.setdefault(m, {})["smoothquant_alpha"] = config.smoothquant_alpha
+    elif "awq" in algorithms and group.predecessor is not None and h is not None:
+        schemes = [plan.schemes.get(m) if plan.algorithms.get(m) == "awq" else None for m in group.members]
+        rms = _input_rms(run.calibration.stats, group.members[0], h, run.num_tokens)
+        scale, alpha = A.awq_search(weights, schemes, h, rms, config.awq)
+        for m in members:
+            info.setdefault(m, {})["awq_alpha"] = alpha
+    if scale is None:
+        return
+    if group.predecessor is not None:
+        fold_input_scale(run.model, group, scale)
+        if h is not None:
+            hessians[group.name] = h / scale[:, None] / scale[None, :]
+        return
+    for m in members:
+        if isinstance(plan.schemes[m], W8A8):
+            smooth[m] = scale
+            get_module(run.model, m).weight.mul_(scale[None, :])
+
+
+def _input_rms(
+    stats: dict[str, ChannelStats], fqn: str, hessian: torch.Tensor | None, tokens: int
+) -> torch.Tensor:
+    if fqn in stats:
+        return stats[fqn].mean_sq.to(torch.float32).clamp_min(0).sqrt()
+    assert hessian is not None
+    return (torch.diag(hessian) / max(tokens, 1)).clamp_min(0).sqrt()
+
+
+def _quantize_group(
+    run: _Run,
+    group: InputGroup,
+    hessian: torch.Tensor | None,
+    smooth: dict[str, torch.Tensor],
+    info: dict[str, dict[str, Any]],
+) -> dict[str, QuantizedWeight]:
+    """Each planned member of one input group with GPTQ (sharing one prepared Hessian) or RTN."""
+    records: dict[str, QuantizedWeight] = {}
+    prepared: A.PreparedHessian | None = None
+    for fqn in group.members:
+        scheme = run.plan.schemes.get(fqn)
+        if scheme is None:
+            continue
+        linear = get_module(run.model, fqn)
+        assert isinstance(linear, nn.Linear), fqn
+        algorithm = run.plan.algorithms[fqn]
+        weight = linear.weight.detach().to(torch.float32)
+        if algorithm == "gptq" and hessian is not None and isinstance(scheme, Int8 | Int4 | W8A8):
+            prepared = prepared or A.prepare_hessian(hessian, run.config.gptq)
+            tensors = A.gptq(scheme, weight, prepared, run.config.gptq)
+        else:
+            tensors = A.rtn(scheme, weight)
+        if fqn in smooth:
+            tensors["smooth"] = smooth[fqn].to(torch.float32)
+        records[fqn] = QuantizedWeight(scheme, algorithm, tensors, _bias(linear), info.get(fqn, {}))
+        linear.weight.copy_(handler_for(scheme).dequantize(scheme, tensors).to(linear.weight.dtype))
+    return records
+
+
+def _quantize_outside_blocks(
+    run: _Run, lw: LayerwiseModel, done: set[str], hidden: list[torch.Tensor], packs: list[Pack]
+) -> dict[str, QuantizedWeight]:
+    """Planned linears outside the decoder blocks (the LM head, only when an override asks): GPTQ on the final
+    normed hidden states, else RTN."""
+    records: dict[str, QuantizedWeight] = {}
+    for fqn, scheme in run.plan.quantized().items():
+        if fqn in done:
+            continue
+        linear = get_module(run.model, fqn)
+        assert isinstance(linear, nn.Linear), fqn
+        weight = linear.weight.detach().to(torch.float32)
+        algorithm = run.plan.algorithms[fqn]
+        if algorithm == "gptq" and isinstance(scheme, Int8 | Int4 | W8A8) and fqn == "lm_head":
+            with torch.inference_mode():
+                normed = [
+                    lw.norm(h)[0] * p.weights[:, None].sqrt() for h, p in zip(hidden, packs, strict=True)
+                ]
+            x = torch.cat(normed)
+            tensors = A.gptq(scheme, weight, x.t() @ x, run.config.gptq)
+        else:
+            tensors = A.rtn(scheme, weight)
+        records[fqn] = QuantizedWeight(scheme, algorithm, tensors, _bias(linear))
+    return records
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach().to(torch.float32).clone()
