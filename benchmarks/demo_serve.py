@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 
-from serve.api import ServerInfo
 from serve.engine import EngineConfig
+from serve.openai import ServerInfo
 from serve.server import BackgroundServer, build_engine, describe, load_for_serving
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-QPACK = [sys.executable, "-m", "evals.cli"]
+QPACK = [sys.executable, "-m", "qpack"]
 PRESETS = {
     "int8": ["--preset", "int8"],
     "int4": ["--preset", "int4", "--group-size", "64"],
@@ -81,7 +81,7 @@ print(json.dumps({{"tokens_per_s": best}}))
     return float(json.loads(proc.stdout.strip().splitlines()[-1])["tokens_per_s"])
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -97,116 +97,29 @@ def main() -> None:
     )
     parser.add_argument("--skip-eval", action="store_true")
     parser.add_argument("--update-readme", action="store_true")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "commands.log"
     calibration = out / "calibration"
     if not (calibration / "manifest.json").is_file():
         sh([*QPACK, "calibrate", "-o", str(calibration)], log)
-    quality: dict[str, Any] = {}
-    for name, flags in PRESETS.items():
-        artifact = out / name
-        if not (artifact / "manifest.json").is_file():
-            started = time.perf_counter()
-            sh(
-                [
-                    *QPACK,
-                    "quantize",
-                    "-c",
-                    str(calibration),
-                    "-o",
-                    str(artifact),
-                    "--name",
-                    f"smollm2-135m-{name}",
-                    *flags,
-                ],
-                log,
-            )
-            elapsed = time.perf_counter() - started
-        else:
-            elapsed = None
-        manifest = json.loads((artifact / "manifest.json").read_text())
-        quality[name] = {
-            "quality": manifest["quality"],
-            "size": manifest["size"],
-            "summary": manifest["quantization"]["summary"],
-            "seconds": elapsed,
-            "timings": manifest["timings_s"],
-        }
-    decode: dict[str, Any] = {}
-    for name in PRESETS:
-        folder = out / f"bench-decode-{name}"
-        sh(
-            [
-                *QPACK,
-                "--quiet",
-                "bench",
-                "decode",
-                str(out / name),
-                "--batches",
-                args.decode_batches,
-                "--repeats",
-                str(args.decode_repeats),
-                "--out",
-                str(folder),
-            ],
-            log,
-        )
-        decode[name] = json.loads((folder / "results.json").read_text())
-    peers = {
-        kind: {b: peer_decode(kind, b, 128, 64) for b in (1, 16)} for kind in ("torchao-int8wo", "bnb-int8")
-    }
-    serving: dict[str, Any] = {}
-    if not args.skip_serve:
-        configs = {
-            "default": [],  # 512 MB FP32 KV pool
-            "tight": [f"--kv-memory={args.tight_kv_memory}", "--server-arg=--kv-dtype=bfloat16"],
-        }
-        for label, extra in configs.items():
-            folder = out / f"bench-serve-int8-{label}"
-            sh(
-                [
-                    *QPACK,
-                    "--quiet",
-                    "bench",
-                    "serve",
-                    str(out / "int8"),
-                    "--concurrency",
-                    args.serve_levels,
-                    *extra,
-                    "--out",
-                    str(folder),
-                ],
-                log,
-            )
-            serving[label] = json.loads((folder / "results.json").read_text())
-    evals: dict[str, Any] = {}
-    if not args.skip_eval:
-        eval_out = out / "bench-eval"
-        command = [
-            sys.executable,
-            "benchmarks/evaluate_targets.py",
-            "--artifacts",
-            *(str(out / n) for n in PRESETS),
-            "--limit",
-            str(args.mmlu_limit),
-            "--out",
-            str(eval_out),
-        ]
-        if args.mmlu:
-            command += ["--mmlu", str(args.mmlu)]
-        sh(command, log)
-        evals = json.loads((eval_out / "results.json").read_text())
     results = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": platform.platform(),
-        "quality": quality,
-        "decode": decode,
-        "peers": peers,
-        "serving": serving,
+        "quality": {name: quantized(out, calibration, name, flags, log) for name, flags in PRESETS.items()},
+        "decode": {name: bench_decode(out, name, args, log) for name in PRESETS},
+        "peers": {
+            kind: {b: peer_decode(kind, b, 128, 64) for b in (1, 16)}
+            for kind in ("torchao-int8wo", "bnb-int8")
+        },
+        "serving": {} if args.skip_serve else bench_serving(out, args, log),
         "tight_kv_memory": args.tight_kv_memory,
-        "evals": evals,
+        "evals": {} if args.skip_eval else mmlu_drift(out, args, log),
     }
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     markdown = render(results)
@@ -219,6 +132,62 @@ def main() -> None:
             text = text[: text.index(start) + len(start)] + "\n" + markdown + text[text.index(end) :]
             readme.write_text(text)
     print(markdown)
+
+
+def quantized(out: Path, calibration: Path, name: str, flags: list[str], log: Path) -> dict[str, Any]:
+    """The preset's artifact (built unless it exists) and its quantization quality."""
+    artifact = out / name
+    elapsed = None
+    if not (artifact / "manifest.json").is_file():
+        started = time.perf_counter()
+        command = [*QPACK, "quantize", "-c", str(calibration), "-o", str(artifact)]
+        sh([*command, "--name", f"smollm2-135m-{name}", *flags], log)
+        elapsed = time.perf_counter() - started
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    return {
+        "quality": manifest["quality"],
+        "size": manifest["size"],
+        "summary": manifest["quantization"]["summary"],
+        "seconds": elapsed,
+        "timings": manifest["timings_s"],
+    }
+
+
+def bench_decode(out: Path, name: str, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    folder = out / f"bench-decode-{name}"
+    command = [*QPACK, "--quiet", "bench", "decode", str(out / name), "--batches", args.decode_batches]
+    sh([*command, "--repeats", str(args.decode_repeats), "--out", str(folder)], log)
+    return json.loads((folder / "results.json").read_text())
+
+
+def bench_serving(out: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    """The int8 artifact under the ShareGPT replay: default pool, and a memory-tight bf16 pool."""
+    configs = {
+        "default": [],  # 512 MB FP32 KV pool
+        "tight": [f"--kv-memory={args.tight_kv_memory}", "--server-arg=--kv-dtype=bfloat16"],
+    }
+    serving: dict[str, Any] = {}
+    for label, extra in configs.items():
+        folder = out / f"bench-serve-int8-{label}"
+        command = [*QPACK, "--quiet", "bench", "serve", str(out / "int8"), "--concurrency", args.serve_levels]
+        sh([*command, *extra, "--out", str(folder)], log)
+        serving[label] = json.loads((folder / "results.json").read_text())
+    return serving
+
+
+def mmlu_drift(out: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    eval_out = out / "bench-eval"
+    command = [
+        sys.executable,
+        "benchmarks/evaluate_targets.py",
+        "--artifacts",
+        *(str(out / n) for n in PRESETS),
+    ]
+    command += ["--limit", str(args.mmlu_limit), "--out", str(eval_out)]
+    if args.mmlu:
+        command += ["--mmlu", str(args.mmlu)]
+    sh(command, log)
+    return json.loads((eval_out / "results.json").read_text())
 
 
 def render(results: dict[str, Any]) -> str:
@@ -276,7 +245,7 @@ def render(results: dict[str, Any]) -> str:
         f"{results.get('tight_kv_memory', '128MB')}, allocated up front):",
     }
     for label, serving in (results.get("serving") or {}).items():
-        from serve.bench.report import serve_markdown
+        from qpack.bench.report import serve_markdown
 
         lines += ["", titles[label], "", serve_markdown(serving).split("\n", 2)[2]]
     evals = results.get("evals")

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from serve.bench.serving import ServeBenchConfig, run_serve_bench
+from qpack.bench.serving import ServeBenchConfig, run_serve_bench
 
 
 def main() -> None:

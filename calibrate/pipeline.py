@@ -151,17 +151,25 @@ def _prepare(
     return kept_samples, kept_ids, counts, reports, rejected
 
 
+@dataclass
+class _Selection:
+    """The cleaned sampling pool and the calibration / held-out split drawn from it."""
+
+    samples: list[Sample]
+    token_ids: list[list[int]]
+    counts: CleaningCounts
+    reports: list[SourceReport]
+    rejected: int
+    split: Any
+    train_ids: list[list[int]]
+    heldout_ids: list[list[int]]
+
+
 def run_calibration(config: CalibrationConfig, progress: Progress = NULL_PROGRESS) -> CalibrationResult:
     """Build a calibration directory; raises `QpackError` on bad input, leaving nothing behind."""
     started = time.perf_counter()
     timings: dict[str, float] = {}
-    config.validate()
-    output = Path(config.output).expanduser().resolve()
-    check_output_dir(output, config.overwrite, "calibration directory")
-    queries = config.queries or (str(default_queries_path()),)
-    for raw in (*queries, *config.reference):
-        if not Path(raw).expanduser().exists():
-            raise QpackError(f"query file {raw} does not exist; check the --queries/--reference path")
+    output, queries = _check_inputs(config)
 
     phase = time.perf_counter()
     source: ModelSource = resolve_model(config.model, progress)
@@ -170,6 +178,49 @@ def run_calibration(config: CalibrationConfig, progress: Progress = NULL_PROGRES
     timings["model_resolve"] = time.perf_counter() - phase
 
     phase = time.perf_counter()
+    selection = _select(queries, config, tokenizer, use_template, progress)
+    timings["read_clean_sample"] = time.perf_counter() - phase
+
+    coverage: dict[str, Any] | None = None
+    reference_reports: list[SourceReport] = []
+    if config.reference:
+        phase = time.perf_counter()
+        coverage, reference_reports = _coverage(config, selection, tokenizer, use_template, progress)
+        timings["coverage"] = time.perf_counter() - phase
+
+    phase = time.perf_counter()
+    model = load_model(source)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    stats = collect_stats(model, selection.train_ids, pad_id, config.token_budget, progress)
+    del model
+    timings["activation_stats"] = time.perf_counter() - phase
+
+    manifest = _manifest(config, source, selection, use_template, coverage, reference_reports)
+    manifest["stats"] = {"num_linear": len(stats), "num_tokens": sum(len(s) for s in selection.train_ids)}
+    manifest["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
+    _write(output, config, selection, stats, manifest)
+    return CalibrationResult(output=output, manifest=manifest, seconds=time.perf_counter() - started)
+
+
+def _check_inputs(config: CalibrationConfig) -> tuple[Path, tuple[str, ...]]:
+    """Options, the output directory and every input path, before any model is loaded."""
+    config.validate()
+    output = Path(config.output).expanduser().resolve()
+    check_output_dir(output, config.overwrite, "calibration directory")
+    queries = config.queries or (str(default_queries_path()),)
+    for raw in (*queries, *config.reference):
+        if not Path(raw).expanduser().exists():
+            raise QpackError(f"query file {raw} does not exist; check the --queries/--reference path")
+    return output, queries
+
+
+def _select(
+    queries: tuple[str, ...],
+    config: CalibrationConfig,
+    tokenizer: Any,
+    use_template: bool,
+    progress: Progress,
+) -> _Selection:
     samples, token_ids, counts, reports, rejected = _prepare(
         queries, config, tokenizer, use_template, progress
     )
@@ -184,99 +235,106 @@ def run_calibration(config: CalibrationConfig, progress: Progress = NULL_PROGRES
     split = stratified_split(lengths, config.num_samples, config.heldout_fraction, config.seed)
     train_ids = [token_ids[i] for i in split.train]
     heldout_ids = [token_ids[i] for i in split.heldout]
-    timings["read_clean_sample"] = time.perf_counter() - phase
+    return _Selection(samples, token_ids, counts, reports, rejected, split, train_ids, heldout_ids)
 
-    coverage: dict[str, Any] | None = None
-    reference_reports: list[SourceReport] = []
-    if config.reference:
-        phase = time.perf_counter()
-        ref_samples, ref_ids, _ref_counts, reference_reports, _ = _prepare(
-            config.reference, config, tokenizer, use_template, progress
-        )
-        if not ref_samples:
-            raise QpackError(
-                "every reference query was filtered out; check --reference and the length limits"
-            )
-        coverage = compare(
-            [lengths[i] for i in split.train],
-            content_token_ids([samples[i] for i in split.train], tokenizer),
-            [len(ids) for ids in ref_ids],
-            content_token_ids(ref_samples, tokenizer),
-            config.coverage,
-        )
-        timings["coverage"] = time.perf_counter() - phase
 
-    phase = time.perf_counter()
-    model = load_model(source)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    stats = collect_stats(model, train_ids, pad_id, config.token_budget, progress)
-    num_linear = len(stats)
-    del model
-    timings["activation_stats"] = time.perf_counter() - phase
+def _coverage(
+    config: CalibrationConfig, selection: _Selection, tokenizer: Any, use_template: bool, progress: Progress
+) -> tuple[dict[str, Any], list[SourceReport]]:
+    """The calibration sample compared with the production reference (length and token distributions)."""
+    ref_samples, ref_ids, _counts, reports, _ = _prepare(
+        config.reference, config, tokenizer, use_template, progress
+    )
+    if not ref_samples:
+        raise QpackError("every reference query was filtered out; check --reference and the length limits")
+    train = selection.split.train
+    coverage = compare(
+        [len(selection.token_ids[i]) for i in train],
+        content_token_ids([selection.samples[i] for i in train], tokenizer),
+        [len(ids) for ids in ref_ids],
+        content_token_ids(ref_samples, tokenizer),
+        config.coverage,
+    )
+    return coverage, reports
 
+
+def _manifest(
+    config: CalibrationConfig,
+    source: ModelSource,
+    selection: _Selection,
+    use_template: bool,
+    coverage: dict[str, Any] | None,
+    reference_reports: list[SourceReport],
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "qpack_version": __version__,
+        "model": {
+            "id": source.model_id,
+            "kind": source.kind,
+            "model_type": source.model_type,
+            "architecture": source.architecture,
+            "weights_sha256": weights_sha256(source),
+            "tokenizer_sha256": tokenizer_sha256(source),
+        },
+        "inputs": [r.to_json() for r in selection.reports],
+        "extraction": {
+            "turns": config.turns,
+            "chat_template": use_template,
+            "template_rejected": selection.rejected,
+            "field": config.field,
+        },
+        "cleaning": selection.counts.to_json(),
+        "sampling": {
+            "strategy": "stratified by token length (power-of-two buckets), largest remainder",
+            "num_samples": config.num_samples,
+            "heldout_fraction": config.heldout_fraction,
+            "seed": config.seed,
+            "min_tokens": config.min_tokens,
+            "max_tokens": config.max_tokens,
+            "pool": len(selection.samples),
+            "train": len(selection.train_ids),
+            "heldout": len(selection.heldout_ids),
+            "buckets": selection.split.buckets,
+        },
+        "lengths": {
+            "train": _length_stats([len(s) for s in selection.train_ids]),
+            "heldout": _length_stats([len(s) for s in selection.heldout_ids]),
+        },
+        "coverage": coverage,
+        "reference_inputs": [r.to_json() for r in reference_reports],
+        "keep_text": config.keep_text,
+    }
+
+
+def _write(
+    output: Path, config: CalibrationConfig, selection: _Selection, stats: Any, manifest: dict[str, Any]
+) -> None:
+    """Tokens, activation statistics, optionally the scrubbed texts, and the manifest with every file's hash,
+    into a temp directory renamed into place."""
     from safetensors.torch import save_file
 
     with atomic_output_dir(output, config.overwrite, "calibration directory") as tmp:
-        save_file(
-            {**pack_sequences(train_ids, "train"), **pack_sequences(heldout_ids, "heldout")},
-            str(tmp / TOKENS_FILE),
-            metadata={"format": FORMAT},
-        )
+        tokens = {
+            **pack_sequences(selection.train_ids, "train"),
+            **pack_sequences(selection.heldout_ids, "heldout"),
+        }
+        save_file(tokens, str(tmp / TOKENS_FILE), metadata={"format": FORMAT})
         save_file(stats_to_tensors(stats), str(tmp / STATS_FILE), metadata={"format": FORMAT})
         files = [TOKENS_FILE, STATS_FILE]
         if config.keep_text:
-            with open(tmp / TEXTS_FILE, "w", encoding="utf-8") as handle:
-                for split_name, indices in (("train", split.train), ("heldout", split.heldout)):
-                    for i in indices:
-                        messages = [{"role": m.role, "content": m.content} for m in samples[i].messages]
-                        handle.write(
-                            json.dumps({"split": split_name, "messages": messages}, ensure_ascii=False)
-                        )
-                        handle.write("\n")
+            _write_texts(tmp / TEXTS_FILE, selection)
             files.append(TEXTS_FILE)
-        manifest: dict[str, Any] = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "qpack_version": __version__,
-            "model": {
-                "id": source.model_id,
-                "kind": source.kind,
-                "model_type": source.model_type,
-                "architecture": source.architecture,
-                "weights_sha256": weights_sha256(source),
-                "tokenizer_sha256": tokenizer_sha256(source),
-            },
-            "inputs": [r.to_json() for r in reports],
-            "extraction": {
-                "turns": config.turns,
-                "chat_template": use_template,
-                "template_rejected": rejected,
-                "field": config.field,
-            },
-            "cleaning": counts.to_json(),
-            "sampling": {
-                "strategy": "stratified by token length (power-of-two buckets), largest remainder",
-                "num_samples": config.num_samples,
-                "heldout_fraction": config.heldout_fraction,
-                "seed": config.seed,
-                "min_tokens": config.min_tokens,
-                "max_tokens": config.max_tokens,
-                "pool": len(samples),
-                "train": len(train_ids),
-                "heldout": len(heldout_ids),
-                "buckets": split.buckets,
-            },
-            "lengths": {
-                "train": _length_stats([len(s) for s in train_ids]),
-                "heldout": _length_stats([len(s) for s in heldout_ids]),
-            },
-            "coverage": coverage,
-            "reference_inputs": [r.to_json() for r in reference_reports],
-            "stats": {"num_linear": num_linear, "num_tokens": sum(len(s) for s in train_ids)},
-            "keep_text": config.keep_text,
-            "timings_s": {k: round(v, 2) for k, v in timings.items()},
-            "files": {name: sha256_file(tmp / name) for name in files},
-        }
+        manifest["files"] = {name: sha256_file(tmp / name) for name in files}
         write_json(tmp / MANIFEST_FILE, manifest)
-    return CalibrationResult(output=output, manifest=manifest, seconds=time.perf_counter() - started)
+
+
+def _write_texts(path: Path, selection: _Selection) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        for split_name, indices in (("train", selection.split.train), ("heldout", selection.split.heldout)):
+            for i in indices:
+                messages = [{"role": m.role, "content": m.content} for m in selection.samples[i].messages]
+                handle.write(json.dumps({"split": split_name, "messages": messages}, ensure_ascii=False))
+                handle.write("\n")

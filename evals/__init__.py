@@ -1,1 +1,1 @@
-"""MMLU drift evaluation, quality gates, and the `qpack` command line (the top of the pipeline)."""
+"""MMLU drift evaluation and quality gates: an artifact scored against its reference, question by question."""

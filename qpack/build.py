@@ -110,8 +110,21 @@ def run_build(config: BuildConfig, progress: Progress = NULL_PROGRESS) -> BuildR
         progress,
     )
     stages["evaluate"] = time.perf_counter() - phase
+    summary = _summary(output, calibration_dir, quantized, evaluated, stages)
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    return BuildResult(summary, quantized, evaluated)
+
+
+def _summary(
+    output: Path,
+    calibration_dir: Path,
+    quantized: QuantizeResult,
+    evaluated: EvaluateResult,
+    stages: dict[str, float],
+) -> dict[str, Any]:
+    """The one JSON document a CI step reads: where things are, size, quality, MMLU drift, the gate."""
     manifest = quantized.manifest
-    summary = {
+    return {
         "ok": evaluated.passed,
         "artifact": str(output),
         "calibration": str(calibration_dir),
@@ -134,6 +147,4 @@ def run_build(config: BuildConfig, progress: Progress = NULL_PROGRESS) -> BuildR
         "heldout": evaluated.result.get("heldout"),
         "gate": evaluated.result["gate"],
         "stages_s": {k: round(v, 1) for k, v in stages.items()},
-        "seconds": round(time.perf_counter() - started, 1),
     }
-    return BuildResult(summary, quantized, evaluated)

@@ -81,12 +81,9 @@ def unexpressible(plan: Plan, tensor_names: dict[str, list[str]]) -> list[str]:
 
 def export_compressed_tensors(artifact: Path, output: Path, overwrite: bool = False) -> dict[str, Any]:
     """Write a compressed-tensors checkpoint of `artifact` to `output`; returns a summary for the manifest."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     _ct()
-    from compressed_tensors.compressors.base import BaseCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-
     artifact = Path(artifact).expanduser().resolve()
     output = Path(output).expanduser().resolve()
     manifest = verify_artifact(artifact, read_manifest(artifact))
@@ -102,44 +99,71 @@ def export_compressed_tensors(artifact: Path, output: Path, overwrite: bool = Fa
     groups: dict[str, dict[str, Any]] = {}
     dense: list[str] = []
     out_tensors: dict[str, torch.Tensor] = {}
-    quantized = plan.quantized()
-    for fqn, scheme in quantized.items():
-        names = manifest["tensors"][fqn]
-        tensors = {n: state.pop(f"{fqn}.{n}") for n in names}
+    for fqn, scheme in plan.quantized().items():
+        tensors = {n: state.pop(f"{fqn}.{n}") for n in manifest["tensors"][fqn]}
         bias = state.pop(f"{fqn}.bias", None)
         if bias is not None:
             out_tensors[f"{fqn}.bias"] = bias
-        handler = handler_for(scheme)
-        weight = handler.dequantize(scheme, tensors)
         args = _scheme_args(scheme)
         if args is None:
             out_tensors[f"{fqn}.weight"] = tensors["weight"]
             dense.append(fqn)
             continue
         weights_args, activation_args, fmt = args
-        key = f"{scheme.label()}"
         group = groups.setdefault(
-            key, {"weights": weights_args, "input_activations": activation_args, "format": fmt, "targets": []}
+            scheme.label(),
+            {"weights": weights_args, "input_activations": activation_args, "format": fmt, "targets": []},
         )
         group["targets"].append(fqn)
-        ct_scheme = QuantizationScheme(
-            targets=[fqn],
-            weights=QuantizationArgs(**weights_args),
-            input_activations=None if activation_args is None else QuantizationArgs(**activation_args),
-            format=fmt,
-        )
-        if isinstance(scheme, Int4):
-            module_state = {
-                "weight": weight,
-                "weight_scale": tensors["scale"].to(torch.float32),
-                "weight_zero_point": tensors["zero_point"].to(torch.int8) - 8,
-            }
-        else:
-            module_state = {"weight": weight, "weight_scale": tensors["scale"].to(torch.float32)[:, None]}
-        compressor = BaseCompressor.get_value_from_registry(fmt)
-        for name, tensor in compressor.compress(module_state, ct_scheme).items():
-            out_tensors[f"{fqn}.{name}"] = tensor.contiguous()
+        out_tensors.update(_compressed(fqn, scheme, tensors, weights_args, activation_args, fmt))
     out_tensors.update(state)
+    ignore = [fqn for fqn, scheme in plan.schemes.items() if scheme is None] + dense
+    _write_export(artifact, output, overwrite, out_tensors, _quantization_config(groups, ignore))
+    return {
+        "format": "compressed-tensors",
+        "path": str(Path(output).resolve()),
+        "groups": {key: len(group["targets"]) for key, group in groups.items()},
+        "dense": dense,
+        "ignore": ignore,
+    }
+
+
+def _compressed(
+    fqn: str,
+    scheme: Scheme,
+    tensors: dict[str, torch.Tensor],
+    weights_args: dict[str, Any],
+    activation_args: dict[str, Any] | None,
+    fmt: str,
+) -> dict[str, torch.Tensor]:
+    """One linear's tensors as its compressed-tensors compressor writes them (names prefixed with `fqn`)."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    weight = handler_for(scheme).dequantize(scheme, tensors)
+    ct_scheme = QuantizationScheme(
+        targets=[fqn],
+        weights=QuantizationArgs(**weights_args),
+        input_activations=None if activation_args is None else QuantizationArgs(**activation_args),
+        format=fmt,
+    )
+    if isinstance(scheme, Int4):
+        module_state = {
+            "weight": weight,
+            "weight_scale": tensors["scale"].to(torch.float32),
+            "weight_zero_point": tensors["zero_point"].to(torch.int8) - 8,
+        }
+    else:
+        module_state = {"weight": weight, "weight_scale": tensors["scale"].to(torch.float32)[:, None]}
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    return {
+        f"{fqn}.{name}": t.contiguous() for name, t in compressor.compress(module_state, ct_scheme).items()
+    }
+
+
+def _quantization_config(groups: dict[str, dict[str, Any]], ignore: list[str]) -> Any:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
     config_groups = {
         f"group_{index}": QuantizationScheme(
             targets=group["targets"],
@@ -152,30 +176,26 @@ def export_compressed_tensors(artifact: Path, output: Path, overwrite: bool = Fa
         for index, group in enumerate(groups.values())
     }
     formats = {group["format"] for group in groups.values()}
-    ignore = [fqn for fqn, scheme in plan.schemes.items() if scheme is None] + dense
-    quant_config = QuantizationConfig(
+    return QuantizationConfig(
         config_groups=config_groups,
         format=formats.pop() if len(formats) == 1 else "mixed-precision",
         quantization_status="compressed",
         ignore=ignore,
     )
+
+
+def _write_export(
+    artifact: Path, output: Path, overwrite: bool, tensors: dict[str, torch.Tensor], quant_config: Any
+) -> None:
+    """Weights, config.json with its quantization_config, and the artifact's tokenizer files, atomically."""
+    from safetensors.torch import save_file
+
     with atomic_output_dir(output, overwrite, "export directory") as tmp:
-        save_file(out_tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = read_json(artifact / "config.json", "artifact config")
         config["quantization_config"] = quant_config.to_dict()
         write_json(tmp / "config.json", config)
         for path in sorted(artifact.iterdir()):
-            if path.name not in (WEIGHTS_FILE, MANIFEST_FILE, "config.json") and path.suffix in (
-                ".json",
-                ".jinja",
-                ".model",
-                ".txt",
-            ):
+            tokenizer_file = path.suffix in (".json", ".jinja", ".model", ".txt")
+            if path.name not in (WEIGHTS_FILE, MANIFEST_FILE, "config.json") and tokenizer_file:
                 shutil.copy2(path, tmp / path.name)
-    return {
-        "format": "compressed-tensors",
-        "path": str(Path(output).resolve()),
-        "groups": {key: len(group["targets"]) for key, group in groups.items()},
-        "dense": dense,
-        "ignore": ignore,
-    }

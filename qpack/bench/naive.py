@@ -19,30 +19,33 @@ from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 
-def create_naive_app(model: torch.nn.Module, tokenizer: Any, name: str) -> FastAPI:
-    from transformers import TextIteratorStreamer
+class NaiveGenerator:
+    """One `generate` call per request, one request at a time (the lock), streamed or whole."""
 
-    app = FastAPI(title="naive HF generate server")
-    lock = asyncio.Lock()
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str) -> None:
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.lock = asyncio.Lock()
 
-    def ids_for(body: dict[str, Any]) -> list[int]:
+    def ids_for(self, body: dict[str, Any]) -> list[int]:
+        tokenizer = self.tokenizer
         if "messages" in body:
             text = tokenizer.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])
         return list(tokenizer(body["prompt"], add_special_tokens=True)["input_ids"])
 
-    def generate_kwargs(body: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+    def generate_kwargs(self, body: dict[str, Any], ids: list[int]) -> dict[str, Any]:
         max_new = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         temperature = float(body.get("temperature", 1.0))
+        pad = self.tokenizer.pad_token_id
         kwargs: dict[str, Any] = {
             "input_ids": torch.tensor([ids]),
             "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
             "max_new_tokens": max_new,
             "do_sample": temperature > 0,
-            "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+            "pad_token_id": pad if pad is not None else 0,
         }
         if temperature > 0:
             kwargs.update(temperature=temperature, top_p=float(body.get("top_p", 1.0)))
@@ -50,76 +53,80 @@ def create_naive_app(model: torch.nn.Module, tokenizer: Any, name: str) -> FastA
             kwargs.update(min_new_tokens=max_new, eos_token_id=None)
         return kwargs
 
+    def _body(self, request_id: str, chat: bool, **fields: Any) -> str:
+        kind = "chat.completion" if chat else "text_completion"
+        return json.dumps({"id": request_id, "object": kind, "model": self.name, **fields})
+
+    @staticmethod
+    def _usage(prompt: int, completion: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def complete(self, body: dict[str, Any], chat: bool) -> Response:
+        ids = self.ids_for(body)
+        kwargs = self.generate_kwargs(body, ids)
+        async with self.lock:
+            out = await asyncio.to_thread(lambda: self.model.generate(**kwargs))
+        new = out[0, len(ids) :].tolist()
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}}
+            if chat
+            else {"index": 0, "text": text}
+        )
+        body_text = self._body(
+            uuid.uuid4().hex,
+            chat,
+            choices=[{**choice, "finish_reason": "length"}],
+            usage=self._usage(len(ids), len(new)),
+        )
+        return Response(body_text, media_type="application/json")
+
+    async def stream(self, body: dict[str, Any], chat: bool) -> AsyncIterator[str]:
+        from transformers import TextIteratorStreamer
+
+        ids = self.ids_for(body)
+        kwargs = self.generate_kwargs(body, ids)
+        request_id = uuid.uuid4().hex
+        async with self.lock:
+            streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+            holder: dict[str, Any] = {}
+
+            def work() -> None:
+                with torch.inference_mode():
+                    holder["out"] = self.model.generate(**kwargs, streamer=streamer)
+
+            thread = threading.Thread(target=work, daemon=True)
+            thread.start()
+            iterator = iter(streamer)
+            while (piece := await asyncio.to_thread(next, iterator, None)) is not None:
+                if piece:
+                    choice = (
+                        {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+                    )
+                    yield f"data: {self._body(request_id, chat, choices=[choice])}\n\n"
+            await asyncio.to_thread(thread.join)
+        completion = int(holder["out"].shape[1]) - len(ids)
+        yield f"data: {self._body(request_id, chat, choices=[], usage=self._usage(len(ids), completion))}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def create_naive_app(model: torch.nn.Module, tokenizer: Any, name: str) -> FastAPI:
+    app = FastAPI(title="naive HF generate server")
+    generator = NaiveGenerator(model, tokenizer, name)
+
+    async def handle(request: Request, chat: bool) -> Response:
+        body = await request.json()
+        if body.get("stream"):
+            return StreamingResponse(generator.stream(body, chat), media_type="text/event-stream")
+        return await generator.complete(body, chat)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await handle(await request.json(), chat=False)
+        return await handle(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await handle(await request.json(), chat=True)
-
-    async def handle(body: dict[str, Any], chat: bool) -> Response:
-        ids = ids_for(body)
-        kwargs = generate_kwargs(body, ids)
-        request_id = uuid.uuid4().hex
-        kind = "chat.completion" if chat else "text_completion"
-        if not body.get("stream"):
-            async with lock:
-                out = await asyncio.to_thread(lambda: model.generate(**kwargs))
-            new = out[0, len(ids) :].tolist()
-            text = tokenizer.decode(new, skip_special_tokens=True)
-            choice = (
-                {"index": 0, "message": {"role": "assistant", "content": text}}
-                if chat
-                else {"index": 0, "text": text}
-            )
-            usage = {
-                "prompt_tokens": len(ids),
-                "completion_tokens": len(new),
-                "total_tokens": len(ids) + len(new),
-            }
-            return JSONResponse(
-                {
-                    "id": request_id,
-                    "object": kind,
-                    "model": name,
-                    "choices": [{**choice, "finish_reason": "length"}],
-                    "usage": usage,
-                }
-            )
-
-        async def events() -> AsyncIterator[str]:
-            async with lock:
-                streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-                holder: dict[str, Any] = {}
-
-                def work() -> None:
-                    with torch.inference_mode():
-                        holder["out"] = model.generate(**kwargs, streamer=streamer)
-
-                thread = threading.Thread(target=work, daemon=True)
-                thread.start()
-                iterator = iter(streamer)
-                while True:
-                    piece = await asyncio.to_thread(next, iterator, None)
-                    if piece is None:
-                        break
-                    if piece:
-                        choice = (
-                            {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
-                        )
-                        yield f"data: {json.dumps({'id': request_id, 'object': kind, 'model': name, 'choices': [choice]})}\n\n"
-                await asyncio.to_thread(thread.join)
-            completion = int(holder["out"].shape[1]) - len(ids)
-            usage = {
-                "prompt_tokens": len(ids),
-                "completion_tokens": completion,
-                "total_tokens": len(ids) + completion,
-            }
-            yield f"data: {json.dumps({'id': request_id, 'object': kind, 'model': name, 'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return await handle(request, chat=True)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from evals.cli import app
+from qpack.cli import app
 from quantize.calibdata import CalibrationData
 from quantize.models import resolve_model
 

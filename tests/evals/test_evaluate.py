@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from evals.cli import app
 from evals.evaluate import EvaluateConfig, Gate, evaluate
+from qpack.cli import app
 from quantize.artifact import read_manifest, verify_artifact
 from quantize.errors import QpackError
 from quantize.pipeline import QuantizeConfig, quantize_model

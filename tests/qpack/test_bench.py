@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -106,23 +107,28 @@ def test_bandwidth_probe_and_machine_info() -> None:
     json.dumps(info)
 
 
-def test_decode_results_schema(tmp_path, tiny_llama, tiny_llama_calibration) -> None:
-    from qpack.bench.decode import DecodeConfig, run_decode_bench
-    from qpack.bench.report import decode_markdown, decode_plots, results_dir, write_results
+def _artifact(path: Path, calibration: Path, preset: str, **options: object) -> Path:
     from quantize.pipeline import QuantizeConfig, quantize_model
     from quantize.sensitivity import SensitivityConfig
 
-    art = tmp_path / "art"
-    quantize_model(
-        QuantizeConfig(
-            output=art,
-            calibration=tiny_llama_calibration,
-            preset="int8",
-            sensitivity=SensitivityConfig(num_tokens=32),
-            calib_tokens=128,
-            eval_tokens=64,
-        )
+    config = QuantizeConfig(
+        output=path,
+        calibration=calibration,
+        preset=preset,
+        sensitivity=SensitivityConfig(num_tokens=32),
+        calib_tokens=128,
+        eval_tokens=64,
+        **options,  # type: ignore[arg-type]
     )
+    quantize_model(config)
+    return path
+
+
+def test_decode_results_schema(tmp_path, tiny_llama, tiny_llama_calibration) -> None:
+    from qpack.bench.decode import DecodeConfig, run_decode_bench
+    from qpack.bench.report import decode_markdown, decode_plots, results_dir, write_results
+
+    art = _artifact(tmp_path / "art", tiny_llama_calibration, "int8")
     result = run_decode_bench(DecodeConfig(art, batches=(1, 2), prompt_tokens=8, new_tokens=4, repeats=1))
     assert [r["batch"] for r in result["rows"]] == [1, 2]
     for row in result["rows"]:
@@ -139,3 +145,22 @@ def test_decode_results_schema(tmp_path, tiny_llama, tiny_llama_calibration) -> 
         p.name for p in folder.iterdir()
     }
     assert json.loads((folder / "results.json").read_text())["kind"] == "decode"
+
+
+def test_decode_bench_of_an_int4_artifact_on_torchs_kernels(
+    tmp_path, monkeypatch, tiny_llama_calibration
+) -> None:
+    """Without the native kernels int4 layers run torch's int4pack kernel: the bytes per token are that packed
+    copy's, asked of the module (the benchmark once read attributes Int4Linear no longer had)."""
+    from qpack.bench import DecodeConfig, bench_decode
+
+    art = _artifact(tmp_path / "int4", tiny_llama_calibration, "int4", group_size=32)
+    monkeypatch.setenv("QPACK_NATIVE", "0")
+    result, folder = bench_decode(
+        DecodeConfig(art, batches=(1,), prompt_tokens=8, new_tokens=4, repeats=1), tmp_path / "out"
+    )
+    assert result["rows"][0]["artifact"]["decode_tokens_per_s"] > 0
+    assert result["bound"]["artifact_bytes_per_token"] > 0 and (folder / "results.json").is_file()
+    breakdown = result["profile_batch1"]["breakdown_ms"]
+    assert breakdown["fused decoder layers (native: linears, attention, norms)"] == 0
+    assert breakdown["quantized kernels"] > 0  # torch's _weight_int4pack_mm_for_cpu

@@ -21,7 +21,7 @@ def test_sigterm_drains_running_requests(tiny_llama: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "evals.cli",
+        "qpack",
         "serve",
         str(tiny_llama),
         "--port",

@@ -1,0 +1,5 @@
+"""`python -m qpack`: the `qpack` command line."""
+
+from qpack.cli import main
+
+main()

@@ -1,0 +1,67 @@
+"""`qpack evaluate`: options -> `evals.evaluate.evaluate` -> drift tables and the gate's exit code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from qpack.cli import options as opt
+from qpack.cli.app import app, formats, gate_exit, output, run
+from qpack.cli.render import eval_tables
+
+
+@app.command(help="Measure MMLU drift of an artifact against its reference; gate CI on it.")
+def evaluate(
+    ctx: typer.Context,
+    artifact: Path = typer.Argument(..., help="Artifact directory."),
+    reference: str | None = typer.Option(
+        None, "--reference", "-r", help="Reference model or artifact (default: source)."
+    ),
+    mmlu: opt.Mmlu = None,
+    subjects: opt.Subjects = None,
+    limit: int | None = typer.Option(None, "--limit", help="At most N questions per subject (stratified)."),
+    shots: opt.Shots = 5,
+    fmt: opt.Format = "letter",
+    calibration: Path | None = typer.Option(
+        None, "--calibration", help="Calibration dir for held-out PPL/KL."
+    ),
+    heldout_tokens: int = typer.Option(2048, "--heldout-tokens", help="Held-out tokens for PPL/KL."),
+    max_drift: opt.MaxDrift = None,
+    max_kl: opt.MaxKL = None,
+    max_flip_rate: opt.MaxFlipRate = None,
+    batch_tokens: int = typer.Option(4096, "--batch-tokens", help="Tokens per scoring batch."),
+    write: bool = typer.Option(True, "--write/--no-write", help="Write results into the artifact."),
+    seed: int = typer.Option(0, "--seed", help="Seed for --limit sampling and bootstrap."),
+) -> None:
+    from evals.evaluate import EvaluateConfig, Gate
+    from evals.evaluate import evaluate as run_evaluate
+
+    out = output(ctx)
+    config = EvaluateConfig(
+        artifact=artifact,
+        reference=reference,
+        mmlu=mmlu,
+        subjects=subjects,
+        limit=limit,
+        shots=shots,
+        formats=formats(fmt),
+        calibration=calibration,
+        heldout_tokens=heldout_tokens,
+        gate=Gate(max_drift=max_drift, max_kl=max_kl, max_flip_rate=max_flip_rate),
+        write=write,
+        token_budget=batch_tokens,
+        seed=seed,
+    )
+    evaluated = run(out, lambda: run_evaluate(config, out.progress()))
+    result = evaluated.result
+    data = {
+        "ok": evaluated.passed,
+        **{k: v for k, v in result.items() if k != "formats"},
+        "formats": {
+            f: {k: v for k, v in r.items() if k != "kl_values"} for f, r in result["formats"].items()
+        },
+        "report_dir": str(evaluated.report_dir) if evaluated.report_dir else None,
+    }
+    out.result(data, *eval_tables(result))
+    gate_exit(out, evaluated.passed, evaluated.reasons)

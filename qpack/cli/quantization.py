@@ -1,0 +1,117 @@
+"""`qpack quantize` and `qpack inspect`: options -> `quantize.pipeline.quantize_model` / the artifact reader ->
+plan and artifact tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from qpack.cli import options as opt
+from qpack.cli.app import app, output, run
+from qpack.cli.render import artifact_table, inspect_table, plan_summary, plan_table
+
+
+@app.command(help="Quantize a model with layer-wise mixed precision into a versioned artifact.")
+def quantize(
+    ctx: typer.Context,
+    calibration: Path = typer.Option(
+        ..., "--calibration", "-c", help="Calibration directory (qpack calibrate)."
+    ),
+    out_dir: Path = typer.Option(..., "--output", "-o", help="Artifact directory to write."),
+    model: opt.ModelSpec = None,
+    name: opt.Name = None,
+    version: opt.Version = "1",
+    preset: opt.Preset = "mixed",
+    target_bits: opt.TargetBits = None,
+    max_kl: float | None = typer.Option(None, "--max-kl", help="Fewest bits with predicted KL under this."),
+    schemes: list[str] = typer.Option([], "--scheme", help="Candidate schemes for the planner (repeatable)."),
+    group_size: int = typer.Option(
+        64, "--group-size", help="int4 group size for the int4 preset (32/64/128)."
+    ),
+    override: opt.Overrides = [],  # noqa: B006 - typer copies list defaults
+    algorithm: str = typer.Option("auto", "--algorithm", help="auto, rtn, gptq, awq or smoothquant."),
+    sensitivity: str = typer.Option("kl", "--sensitivity", help="kl (default), kl-all or mse."),
+    sensitivity_tokens: int = typer.Option(
+        256, "--sensitivity-tokens", help="Held-out tokens for sensitivity."
+    ),
+    calib_tokens: int = typer.Option(4096, "--calib-tokens", help="Calibration tokens for GPTQ/AWQ."),
+    eval_tokens: int = typer.Option(
+        2048, "--eval-tokens", help="Held-out tokens for the final KL/PPL check."
+    ),
+    act_order: bool = typer.Option(True, "--act-order/--no-act-order", help="GPTQ activation order."),
+    damp: float = typer.Option(0.01, "--damp", help="GPTQ damping (fraction of mean Hessian diagonal)."),
+    smoothquant_alpha: float = typer.Option(
+        0.5, "--smoothquant-alpha", help="SmoothQuant migration strength."
+    ),
+    export: str | None = typer.Option(None, "--export", help="Also export: compressed-tensors."),
+    seed: int = typer.Option(0, "--seed", help="Seed for token sampling."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact."),
+) -> None:
+    from quantize.algorithms import GPTQConfig
+    from quantize.pipeline import QuantizeConfig, quantize_model
+    from quantize.sensitivity import SensitivityConfig
+
+    out = output(ctx)
+    config = QuantizeConfig(
+        output=out_dir,
+        calibration=calibration,
+        model=model,
+        name=name,
+        version=version,
+        preset=preset,
+        target_bits=target_bits,
+        max_kl=max_kl,
+        schemes=tuple(schemes),
+        group_size=group_size,
+        overrides=tuple(override),
+        algorithm=algorithm,
+        gptq=GPTQConfig(damp=damp, act_order=act_order),
+        smoothquant_alpha=smoothquant_alpha,
+        sensitivity=SensitivityConfig(method=sensitivity, num_tokens=sensitivity_tokens, seed=seed),
+        calib_tokens=calib_tokens,
+        eval_tokens=eval_tokens,
+        export=export,
+        overwrite=overwrite,
+        seed=seed,
+    )
+
+    def on_plan(plan: Any, info: dict[str, Any]) -> None:
+        if not out.quiet and not out.json_mode:
+            out.stderr.print(plan_table(plan))
+            out.stderr.print(plan_summary(plan, info))
+
+    result = run(out, lambda: quantize_model(config, out.progress(), on_plan))
+    for warning in result.warnings:
+        out.warn(warning)
+    manifest = result.manifest
+    data = {
+        "ok": True,
+        "output": str(result.output),
+        "seconds": round(result.seconds, 2),
+        "manifest": manifest,
+    }
+    out.result(data, artifact_table(manifest, result.output, result.seconds))
+
+
+@app.command(help="Print an artifact's manifest: plan, sizes, quality, evals; verify its hashes.")
+def inspect(
+    ctx: typer.Context,
+    artifact: Path = typer.Argument(..., help="Artifact directory."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Check every file's sha256."),
+) -> None:
+    from quantize.artifact import read_manifest, verify_artifact
+    from quantize.plan import Plan
+
+    out = output(ctx)
+
+    def load() -> dict[str, Any]:
+        manifest = read_manifest(artifact)
+        if verify:
+            verify_artifact(artifact, manifest)
+        return manifest
+
+    manifest = run(out, load)
+    plan = Plan.from_json(manifest["modules"])
+    out.result(manifest, plan_table(plan), inspect_table(manifest, plan, verify))
