@@ -7,7 +7,6 @@ bugs either: they fail the build with exit code 1 and say which limit was crosse
 
 from __future__ import annotations
 
-EXIT_OK = 0
 EXIT_GATE = 1
 EXIT_USAGE = 2
 
@@ -23,9 +22,3 @@ class QpackError(Exception):
     @property
     def message(self) -> str:
         return str(self)
-
-
-class GateFailed(QpackError):
-    """A quality gate (drift, KL, flip rate) was exceeded: exit code 1."""
-
-    exit_code = EXIT_GATE

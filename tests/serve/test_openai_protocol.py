@@ -1,0 +1,91 @@
+"""Request parsing and validation of the OpenAI API as plain functions: no server, no model, no tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve.openai.protocol import ApiError, check_model, parse_json, parse_request, sampling_params
+
+
+def test_a_completion_request_parses_every_option() -> None:
+    body = {
+        "prompt": ["Hello"],
+        "max_tokens": 7,
+        "temperature": 0.3,
+        "top_p": 0.9,
+        "top_k": -1,
+        "seed": 11,
+        "stop": ["\n", ""],
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "priority": -2,
+    }
+    request = parse_request(body, chat=False)
+    assert request.prompt == "Hello" and request.messages is None and request.max_tokens == 7
+    assert (request.temperature, request.top_p, request.top_k, request.seed) == (0.3, 0.9, 0, 11)
+    assert request.stop == ("\n",) and request.ignore_eos and request.stream and request.include_usage
+    params = sampling_params(request, prompt_len=10, max_model_len=100)
+    assert params.max_tokens == 7 and params.seed == 11 and params.stop == ("\n",)
+
+
+def test_chat_messages_are_cleaned_and_default_to_the_rest_of_the_context() -> None:
+    body = {
+        "messages": [
+            {"role": "developer", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "a"},
+                    {"type": "image_url"},
+                    {"type": "text", "text": "b"},
+                ],
+            },
+        ],
+        "max_completion_tokens": 5,
+    }
+    request = parse_request(body, chat=True)
+    assert request.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    assert request.max_key == "max_completion_tokens" and request.max_tokens == 5
+    no_limit = parse_request({"messages": body["messages"]}, chat=True)
+    assert sampling_params(no_limit, prompt_len=30, max_model_len=100).max_tokens == 70
+    assert sampling_params(parse_request({"prompt": "x"}, chat=False), 30, 100).max_tokens == 16
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "param", "fragment"),
+    [
+        ({"prompt": ""}, False, "prompt", "must not be empty"),
+        ({"prompt": [1, True]}, False, "prompt", "non-empty string or a list of token ids"),
+        ({"messages": []}, True, "messages", "non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, True, "messages", "role 'robot'"),
+        ({"messages": [{"role": "user", "content": 3}]}, True, "messages", "content must be a string"),
+        ({"prompt": "x", "n": 2}, False, "n", "not supported"),
+        ({"prompt": "x", "max_tokens": True}, False, "max_tokens", "must be an integer"),
+        ({"prompt": "x", "temperature": 2.5}, False, "temperature", "between 0.0 and 2.0"),
+        ({"prompt": "x", "stop": ["a"] * 17}, False, "stop", "up to 16 strings"),
+        ({"prompt": "x", "seed": "7"}, False, "seed", "must be an integer"),
+        ({"prompt": "x", "stream_options": "yes"}, False, "stream_options", "must be an object"),
+        ({"prompt": "x", "priority": 10**9}, False, "priority", "between"),
+    ],
+)
+def test_each_bad_field_is_a_400_naming_it(body: dict, chat: bool, param: str, fragment: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_request(body, chat)
+    assert caught.value.status == 400 and caught.value.param == param and fragment in caught.value.message
+    assert caught.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_context_limits_and_model_names() -> None:
+    request = parse_request({"prompt": "x", "max_tokens": 50}, chat=False)
+    with pytest.raises(ApiError, match="too large"):
+        sampling_params(request, prompt_len=60, max_model_len=100)
+    with pytest.raises(ApiError, match="longer than the model context"):
+        sampling_params(request, prompt_len=100, max_model_len=100)
+    check_model({"model": "tiny:3"}, "tiny", "3")
+    with pytest.raises(ApiError) as caught:
+        check_model({"model": "other"}, "tiny", "3")
+    assert caught.value.status == 404
+    for raw in (b"{nope", b"[1]", b"\xff"):
+        with pytest.raises(ApiError):
+            parse_json(raw)
