@@ -22,6 +22,7 @@ from quantize.errors import QpackError
 from serve.engine import Engine, EngineConfig
 from serve.kv_cache import KV_DTYPES
 from serve.openai import ServerInfo, create_app
+from serve.openai.routes import DEFAULT_MAX_REQUEST_BYTES
 
 
 @dataclass
@@ -101,7 +102,9 @@ class ServeOptions:
     max_queue: int = 256
     max_model_len: int | None = None
     request_timeout: float = 600.0
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
+    api_key_file: Path | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     dtype: str = "float32"
     prefix_caching: bool = True
     compile: bool = False
@@ -115,6 +118,11 @@ class ServeOptions:
             (self.max_queue >= 0, "--max-queue must be >= 0"),
             (self.request_timeout > 0, "--request-timeout must be > 0"),
             (1 <= self.port <= 65535, "--port must be 1..65535"),
+            (self.max_request_bytes >= 1024, "--max-request-bytes must be at least 1024"),
+            (
+                all(key.strip() == key and key for key in self.api_keys),
+                "--api-key must not be empty or padded",
+            ),
             (
                 self.kv_dtype in KV_DTYPES,
                 f"--kv-dtype must be one of {', '.join(KV_DTYPES)} (got {self.kv_dtype!r})",
@@ -137,13 +145,29 @@ class ServeOptions:
             compile=self.compile,
         )
 
+    def keys(self) -> tuple[str, ...]:
+        """--api-key values and the lines of --api-key-file (blank lines and # comments skipped)."""
+        keys = list(self.api_keys)
+        if self.api_key_file is not None:
+            try:
+                lines = Path(self.api_key_file).expanduser().read_text().splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise QpackError(
+                    f"--api-key-file {self.api_key_file} cannot be read ({exc}); fix the path"
+                ) from None
+            keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+            if len(keys) == len(self.api_keys):
+                raise QpackError(f"--api-key-file {self.api_key_file} holds no key; one key per line")
+        return tuple(keys)
+
 
 def run_server(
     options: ServeOptions, log: Callable[[str], None], warn: Callable[[str], None] = lambda _m: None
 ) -> None:
     """Validate, load, build the engine (and warm a compiled one up), then serve until a signal drains it.
-    Progress and the served configuration go to `log`, risks to `warn`."""
+    Progress and the served configuration go to `log`, risks to `warn`; keys are never logged."""
     options.validate()
+    keys = options.keys()
     loaded = load_for_serving(options.target, options.dtype)
     log("loading the native decode kernels (built once per machine: ~1 min the first time)...")
     engine = build_engine(loaded, options.engine_config())
@@ -153,9 +177,11 @@ def run_server(
     log(f"qpack serve {loaded.name} v{loaded.version} ({loaded.source})")
     log(describe(engine))
     log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1; /health, /metrics)")
-    if options.host not in LOOPBACK and options.api_key is None:
+    if keys:
+        log(f"API keys required: {len(keys)} accepted")
+    if options.host not in LOOPBACK and not keys:
         warn(f"binding {options.host} without --api-key: anyone who can reach this port can use the model")
-    info = ServerInfo(loaded.name, loaded.version, options.api_key, options.request_timeout)
+    info = ServerInfo(loaded.name, loaded.version, keys, options.request_timeout, options.max_request_bytes)
     serve_forever(engine, info, options.host, options.port)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from qpack.cli.app import app, output, run
@@ -35,8 +37,17 @@ def serve(
     request_timeout: float = typer.Option(
         600.0, "--request-timeout", help="Seconds before a request is aborted."
     ),
-    api_key: str | None = typer.Option(
-        None, "--api-key", envvar="QPACK_API_KEY", help="Require 'Authorization: Bearer KEY'."
+    api_key: list[str] = typer.Option(
+        [],
+        "--api-key",
+        envvar="QPACK_API_KEY",
+        help="Require 'Authorization: Bearer KEY' (repeatable: any listed key is accepted).",
+    ),
+    api_key_file: Path | None = typer.Option(
+        None, "--api-key-file", help="File of accepted API keys, one per line (# comments)."
+    ),
+    max_request_bytes: int = typer.Option(
+        4 * 2**20, "--max-request-bytes", help="Largest request body; bigger ones get 413 before parsing."
     ),
     dtype: str = typer.Option("float32", "--dtype", help="For plain models: float32, bfloat16 or float16."),
     prefix_caching: bool = typer.Option(
@@ -64,7 +75,9 @@ def serve(
         max_queue=max_queue,
         max_model_len=max_model_len,
         request_timeout=request_timeout,
-        api_key=api_key,
+        api_keys=tuple(api_key),
+        api_key_file=api_key_file,
+        max_request_bytes=max_request_bytes,
         dtype=dtype,
         prefix_caching=prefix_caching,
         compile=compile_decode,

@@ -68,6 +68,13 @@ class GenerationRequest:
     include_usage: bool
     priority: int
 
+    @property
+    def text_chars(self) -> int:
+        """Characters of text the prompt holds (0 for token ids): what a tokenizer would be asked to read."""
+        if self.messages is not None:
+            return sum(len(m["content"]) for m in self.messages)
+        return len(self.prompt) if isinstance(self.prompt, str) else 0
+
 
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
@@ -152,6 +159,22 @@ def sampling_params(request: GenerationRequest, prompt_len: int, max_model_len: 
     )
 
 
+def _text(value: str, field: str, param: str) -> str:
+    """`value` if it is valid Unicode; JSON can carry a lone UTF-16 surrogate (\\ud800) that no tokenizer
+    accepts: refused with a 400 naming the field, never passed on."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(
+            400,
+            f"'{field}' holds an unpaired UTF-16 surrogate (U+{ord(value[exc.start]):04X} at character {exc.start}); "
+            "send valid Unicode text",
+            param,
+            "invalid_text",
+        ) from None
+    return value
+
+
 def _prompt(body: dict[str, Any]) -> str | list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -159,7 +182,7 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError(400, "'prompt' must not be empty", "prompt")
-        return prompt
+        return _text(prompt, "prompt", "prompt")
     if (
         isinstance(prompt, list)
         and prompt
@@ -190,7 +213,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if message["role"] not in ROLES:
             raise ApiError(400, f"messages[{index}].role {message['role']!r} is not supported", "messages")
         role = "system" if message["role"] == "developer" else message["role"]
-        clean.append({"role": role, "content": content})
+        clean.append({"role": role, "content": _text(content, f"messages[{index}].content", "messages")})
     return clean
 
 
@@ -224,9 +247,9 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     if stop is None:
         return ()
     if isinstance(stop, str):
-        return (stop,) if stop else ()
+        return (_text(stop, "stop", "stop"),) if stop else ()
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
-        return tuple(s for s in stop if s)
+        return tuple(_text(s, "stop", "stop") for s in stop if s)
     raise ApiError(400, "'stop' must be a string or a list of up to 16 strings", "stop")
 
 

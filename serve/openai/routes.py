@@ -1,19 +1,33 @@
 """The HTTP routes in front of the engine: thin handlers over `protocol` (parsing), `prompts` (tokenizing) and
-`render` (response bodies).
+`render` (response bodies), behind a guard that treats every request as hostile.
 
-Handlers run on the asyncio loop; the engine steps on its own thread and hands each request its new text
-through a thread-safe callback into the request's asyncio queue. A full queue is a 429 with Retry-After; a
-missing or wrong API key a 401. A client that disconnects aborts its request, which frees its KV blocks at once.
-While the server drains (SIGTERM), new requests get 503 and running ones finish.
+- `Guard` (plain ASGI, in front of everything under /v1): API keys compared in constant time (sha256 digests
+  through `hmac.compare_digest`, every configured key compared, none logged), 503 while draining, and bodies over
+  `max_request_bytes` refused with 413 before anything is parsed (Content-Length, or counted as a chunked body
+  arrives).
+- Tokenizing runs on one worker thread, never on the event loop, after a character cap (`prompts`), so a huge
+  prompt can neither stall `/health` nor other requests' streams.
+- A client that disconnects aborts its request at once, streaming or not: a watcher task waits for the ASGI
+  `http.disconnect` beside the engine's outputs, so its KV blocks are freed within one engine step.
+- Nothing a client sends produces a non-JSON 500: a catch-all answers any bug with an OpenAI-shaped 500.
+
+Handlers run on the asyncio loop; the engine steps on its own thread and hands each request its new text through
+a thread-safe callback into the request's asyncio queue. A full queue is a 429 with Retry-After. While the
+server drains (SIGTERM), new requests get 503 and running ones finish.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import json
+import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve.engine import Engine, QueueFull, RequestOutput
 from serve.openai import render
-from serve.openai.prompts import prompt_ids
+from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids
 from serve.openai.protocol import (
     ApiError,
     GenerationRequest,
@@ -32,14 +46,28 @@ from serve.openai.protocol import (
     parse_request,
     sampling_params,
 )
+from serve.sequence import SamplingParams
+
+_log = logging.getLogger("qpack.serve")
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
 
 
 @dataclass(frozen=True)
 class ServerInfo:
     name: str
     version: str
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     request_timeout: float | None = 600.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+    def __repr__(self) -> str:  # never print a key
+        return f"ServerInfo(name={self.name!r}, version={self.version!r}, api_keys=<{len(self.api_keys)}>)"
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -47,20 +75,95 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+class BodyTooLarge(ApiError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            413,
+            f"the request body is larger than {limit:,} bytes (--max-request-bytes); send a shorter prompt",
+            code="request_too_large",
+        )
+
+
+class Guard:
+    """ASGI middleware for /v1: API keys, draining, body size. Reads no body itself."""
+
+    def __init__(self, app: Any, info: ServerInfo, draining: Callable[[], bool]) -> None:
+        self.app, self.info, self.draining = app, info, draining
+        self.key_digests = [hashlib.sha256(key.encode()).digest() for key in info.api_keys]
+
+    def authorized(self, header: bytes | None) -> bool:
+        """Constant-time in the key's content: every configured key is compared, equal-length digests."""
+        presented = header[7:] if header is not None and header.startswith(b"Bearer ") else b""
+        digest = hashlib.sha256(presented).digest()
+        matched = False
+        for key in self.key_digests:
+            matched |= hmac.compare_digest(digest, key)
+        return matched and bool(presented)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        error = self._refusal(scope, headers)
+        if error is not None:
+            await _send_error(send, error)
+            return
+        await self.app(scope, _limited(receive, self.info.max_request_bytes), send)
+
+    def _refusal(self, scope: Scope, headers: dict[bytes, bytes]) -> ApiError | None:
+        if self.key_digests and not self.authorized(headers.get(b"authorization")):
+            missing = "invalid or missing API key (send 'Authorization: Bearer KEY')"
+            return ApiError(401, missing, code="invalid_api_key")
+        if self.draining() and scope["method"] == "POST":
+            return ApiError(
+                503, "the server is shutting down; retry on another replica", kind="server_shutting_down"
+            )
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return ApiError(400, "Content-Length must be a number of bytes")
+            if int(length) > self.info.max_request_bytes:
+                return BodyTooLarge(self.info.max_request_bytes)
+        return None
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """`receive` that raises `BodyTooLarge` once more than `limit` body bytes arrived (chunked uploads)."""
+    seen = 0
+
+    async def wrapped() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise BodyTooLarge(limit)
+        return message
+
+    return wrapped
+
+
+async def _send_error(send: Send, error: ApiError) -> None:
+    response = error_response(error)
+    await send(
+        {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
+    )
+    await send({"type": "http.response.body", "body": response.body})
+
+
 class Generation:
     """Submits validated requests to the engine and turns its outputs into responses or SSE streams."""
 
     def __init__(self, engine: Engine, info: ServerInfo) -> None:
         self.engine, self.info = engine, info
+        self.vocab_size = int(engine.model.config.vocab_size)  # type: ignore[attr-defined]
+        self.max_chars = engine.max_model_len * longest_token_chars(engine.tokenizer)
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qpack-tokenize")
 
     async def respond(self, request: Request, chat: bool) -> Response:
         try:
-            body = parse_json(await request.body())
-            check_model(body, self.info.name, self.info.version)
-            parsed = parse_request(body, chat)
-            vocab = int(self.engine.model.config.vocab_size)  # type: ignore[attr-defined]
-            ids = prompt_ids(parsed, self.engine.tokenizer, vocab)
-            params = sampling_params(parsed, len(ids), self.engine.max_model_len)
+            parsed, ids, params = await self._read(request, chat)
             request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             queue = self._submit(request_id, ids, params, parsed.priority)
         except ApiError as error:
@@ -78,9 +181,8 @@ class Generation:
         except ApiError as error:
             return error_response(error)
         if final.finish_reason == "timeout":
-            return error_response(
-                ApiError(504, f"request timed out after {self.info.request_timeout} s", kind="timeout")
-            )
+            timeout = ApiError(504, f"request timed out after {self.info.request_timeout} s", kind="timeout")
+            return error_response(timeout)
         if final.finish_reason == "error":
             failed = ApiError(
                 500, "the model step failed; see the server log", kind="server_error", code="engine_error"
@@ -88,8 +190,22 @@ class Generation:
             return error_response(failed)
         return JSONResponse(render.response(request_id, chat, created, self.info.name, text, final))
 
+    async def _read(
+        self, request: Request, chat: bool
+    ) -> tuple[GenerationRequest, list[int], SamplingParams]:
+        """Body -> validated request -> token ids (on the tokenizer thread) -> sampling parameters."""
+        body = parse_json(await request.body())
+        check_model(body, self.info.name, self.info.version)
+        parsed = parse_request(body, chat)
+        del body
+        check_text_size(parsed, self.max_chars, self.engine.max_model_len)
+        loop = asyncio.get_running_loop()
+        tokenizer = self.engine.tokenizer
+        ids = await loop.run_in_executor(self.tokenizing, prompt_ids, parsed, tokenizer, self.vocab_size)
+        return parsed, ids, sampling_params(parsed, len(ids), self.engine.max_model_len)
+
     def _submit(
-        self, request_id: str, ids: list[int], params: Any, priority: int
+        self, request_id: str, ids: list[int], params: SamplingParams, priority: int
     ) -> asyncio.Queue[RequestOutput]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -112,22 +228,25 @@ class Generation:
     async def _collect(
         self, request: Request, request_id: str, queue: asyncio.Queue[RequestOutput]
     ) -> tuple[str, RequestOutput]:
+        """The whole answer; the request is aborted the moment its client disconnects."""
         text = []
+        disconnected = asyncio.ensure_future(_disconnect(request))
         try:
             while True:
-                try:
-                    output = await asyncio.wait_for(queue.get(), timeout=0.25)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        self.engine.abort(request_id)
-                        raise ApiError(499, "client disconnected") from None
-                    continue
-                text.append(output.text)
-                if output.finished:
-                    return "".join(text), output
+                output = asyncio.ensure_future(queue.get())
+                await asyncio.wait({output, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                if not output.done():
+                    output.cancel()
+                    self.engine.abort(request_id)
+                    raise ApiError(499, "client disconnected")
+                text.append(output.result().text)
+                if output.result().finished:
+                    return "".join(text), output.result()
         except asyncio.CancelledError:
             self.engine.abort(request_id)
             raise
+        finally:
+            disconnected.cancel()
 
     async def _events(
         self,
@@ -153,9 +272,17 @@ class Generation:
                 self.engine.abort(request_id)
 
 
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body was already read, so the next ASGI message is the
+    disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def create_app(engine: Engine, info: ServerInfo) -> FastAPI:
     stop_event = threading.Event()
     state: dict[str, Any] = {"draining": False, "thread": None}
+    generation = Generation(engine, info)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -171,24 +298,15 @@ def create_app(engine: Engine, info: ServerInfo) -> FastAPI:
             stop_event.set()
             engine.wake()
             thread.join(timeout=10)
+            generation.tokenizing.shutdown(wait=False)
 
     app = FastAPI(title="qpack serve", lifespan=lifespan)
     app.state.engine = engine
     app.state.info = info
     app.state.server_state = state
     app.state.start_draining = lambda: state.update(draining=True)
-    generation = Generation(engine, info)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith("/v1/"):
-            if info.api_key is not None and request.headers.get("authorization") != f"Bearer {info.api_key}":
-                missing = "invalid or missing API key (send 'Authorization: Bearer KEY')"
-                return error_response(ApiError(401, missing, code="invalid_api_key"))
-            if state["draining"] and request.method == "POST":
-                draining = "the server is shutting down; retry on another replica"
-                return error_response(ApiError(503, draining, kind="server_shutting_down"))
-        return await call_next(request)
+    app.add_middleware(Guard, info=info, draining=lambda: bool(state["draining"]))
+    app.add_exception_handler(Exception, _internal_error)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -221,3 +339,12 @@ def create_app(engine: Engine, info: ServerInfo) -> FastAPI:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+async def _internal_error(_request: Request, error: Exception) -> Response:
+    """A bug, never the client's input: logged with its traceback, answered in the OpenAI error shape."""
+    if isinstance(error, ApiError):
+        return error_response(error)
+    _log.error("request failed", exc_info=error)
+    body = ApiError(500, "internal server error; see the server log", kind="server_error").body()
+    return Response(json.dumps(body), status_code=500, media_type="application/json")

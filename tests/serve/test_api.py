@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def test_streaming_completion_and_chat(server) -> None:
         ({"prompt": ""}, 400, "must not be empty"),
         ({"prompt": 12}, 400, "'prompt' must be a non-empty string"),
         ({"prompt": [1, 99999]}, 400, "token ids must be in"),
-        ({"prompt": " ".join(["word"] * 400)}, 400, "longer than the model context"),
+        ({"prompt": " ".join(["word"] * 300)}, 400, "longer than the model context"),
         ({"prompt": "x", "model": "other"}, 404, "not served here"),
         ({"prompt": "x", "stream": "yes"}, 400, "'stream' must be a boolean"),
     ],
@@ -186,7 +187,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server) -> None:
 
 def test_api_key_queue_bound_and_timeout(tiny_llama: Path) -> None:
     engine = make_engine(tiny_llama, max_num_seqs=1, max_queue=1)
-    info = ServerInfo(name="tiny", version="1", api_key="sekret", request_timeout=1.0)
+    info = ServerInfo(name="tiny", version="1", api_keys=("sekret", "other"), request_timeout=1.0)
     with BackgroundServer(engine, info) as url:
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
         assert (
@@ -197,6 +198,9 @@ def test_api_key_queue_bound_and_timeout(tiny_llama: Path) -> None:
         )
         auth = {"Authorization": "Bearer sekret"}
         assert httpx.get(f"{url}/v1/models", headers=auth).status_code == 200
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer other"}).status_code == 200
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sekretX"}).status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Basic sekret"}).status_code == 401
         engine.paused.set()  # hold work in the queue
         request = {"prompt": "Once", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
         with httpx.Client(timeout=30) as client:
@@ -218,3 +222,106 @@ def test_api_key_queue_bound_and_timeout(tiny_llama: Path) -> None:
         assert fine.status_code == 200
     assert engine.pool.num_used == 0
     assert "qpack_requests_rejected_total 1.0" in engine.metrics.render().decode()
+
+
+def test_bodies_over_the_limit_get_413_before_parsing(tiny_llama: Path) -> None:
+    engine = make_engine(tiny_llama)
+    info = ServerInfo(name="tiny", version="1", max_request_bytes=4096)
+    with BackgroundServer(engine, info) as url:
+        junk = {"prompt": "hi", "max_tokens": 1, "junk": "a" * 10_000}
+        sized = httpx.post(f"{url}/v1/completions", json=junk)
+        assert sized.status_code == 413 and sized.json()["error"]["code"] == "request_too_large"
+
+        def chunks():  # no Content-Length: counted as it arrives
+            yield b'{"prompt": "'
+            for _ in range(10):
+                yield b"a" * 1000
+            yield b'"}'
+
+        chunked = httpx.post(f"{url}/v1/completions", content=chunks())
+        assert chunked.status_code == 413
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_prompts_that_cannot_fit_are_refused_untokenized_and_tokenizing_is_off_the_loop(
+    tiny_llama: Path,
+) -> None:
+    engine = make_engine(tiny_llama)
+    threads: list[str] = []
+    tokenizer = engine.tokenizer
+    real_call = type(tokenizer).__call__
+
+    class Spy(type(tokenizer)):  # type: ignore[misc]
+        def __call__(self, *args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return real_call(self, *args, **kwargs)
+
+    tokenizer.__class__ = Spy
+    with BackgroundServer(engine, ServerInfo(name="tiny", version="1")) as url:
+        fine = httpx.post(f"{url}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 2})
+        assert fine.status_code == 200
+        assert threads and all(name.startswith("qpack-tokenize") for name in threads), threads
+        calls = len(threads)
+        huge = httpx.post(f"{url}/v1/completions", json={"prompt": "word " * 100_000, "max_tokens": 2})
+        assert huge.status_code == 400 and "cannot fit the model context" in huge.json()["error"]["message"]
+        chat = {"messages": [{"role": "user", "content": "x" * 500_000}]}
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat).status_code == 400
+        assert len(threads) == calls  # refused before any tokenizing
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "payload", "fragment"),
+    [
+        (
+            "completions",
+            {"prompt": "a\ud800b", "max_tokens": 8},
+            "'prompt' holds an unpaired UTF-16 surrogate",
+        ),
+        ("chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages[0].content"),
+        ("completions", {"prompt": "a", "stop": ["\ud800"]}, "'stop'"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_the_field(
+    server, endpoint: str, payload: dict, fragment: str
+) -> None:
+    url, _ = server
+    body = json.dumps(
+        payload
+    ).encode()  # json.dumps escapes the surrogate as \\ud800, as a JS client sends it
+    response = httpx.post(f"{url}/v1/{endpoint}", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and fragment in response.json()["error"]["message"]
+
+
+def test_a_bug_is_a_json_500_never_plain_text(tiny_llama: Path, monkeypatch) -> None:
+    engine = make_engine(tiny_llama)
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(engine, "add", broken)
+    with BackgroundServer(engine, ServerInfo(name="tiny", version="1")) as url:
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 500
+        assert response.json()["error"]["type"] == "server_error" and "a bug" not in response.text
+
+
+def test_a_non_streaming_client_that_disconnects_frees_its_blocks_at_once(tiny_llama: Path) -> None:
+    """Tokens keep arriving (20 ms steps) while the client is gone: the abort must not wait for a quiet spell."""
+    engine = make_engine(tiny_llama)
+    run = engine.runner.run
+
+    def slow(batch):
+        time.sleep(0.02)
+        return run(batch)
+
+    engine.runner.run = slow  # type: ignore[method-assign]
+    payload = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with BackgroundServer(engine, ServerInfo(name="tiny", version="1")) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=payload, timeout=httpx.Timeout(5.0, read=0.5))
+        deadline = time.monotonic() + 1.0  # the bound: blocks back within a second of the disconnect
+        while (engine.pool.num_used or engine.streams) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.pool.num_used == 0 and not engine.streams
+        assert 'finish_reason="abort"' in engine.metrics.render().decode()
