@@ -6,31 +6,47 @@ all about block bookkeeping, so they are tested here with a handful of blocks an
 - Blocks live in a free list ordered least-recently-freed first; allocation pops from the head.
 - Every block has a `ref_cnt`: sequences sharing a prefix share its blocks; a block returns to the free list
   only when its last user frees it.
-- A *full* block can be registered under a hash of (parent block's hash, its tokens). A later request whose
-  prompt starts with the same tokens finds those blocks and reuses their KV instead of recomputing it (system
-  prompts, few-shot examples). Freed blocks keep their contents and hash while they sit in the free list, so a
-  prefix stays reusable until its block is actually handed out again (LRU eviction).
+- A *full* block can be registered under its chain key: sha256 over the parent block's key and the block's
+  token ids, the first block's parent being a root digest of an optional salt. A later request whose prompt
+  starts with the same tokens (and salt) finds those blocks and reuses their KV instead of recomputing it
+  (system prompts, few-shot examples). The key is a cryptographic digest of the whole prefix, not a 64-bit
+  `hash()` of it: a client cannot craft a different prefix that collides with another's and read KV it did not
+  compute (the class of vLLM's CVE-2025-25183), and tenants with different salts never share or probe each
+  other's blocks. Freed blocks keep their contents and key while they sit in the free list, so a prefix stays
+  reusable until its block is actually handed out again (LRU eviction).
 - Running out is normal back-pressure, not an error: `allocate` returns `None` and the scheduler decides
   (wait, or preempt a sequence).
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-PrefixKey = tuple[int | None, tuple[int, ...]]
+PrefixKey = bytes  # sha256 digest of the chain up to and including a block
+
+_DOMAIN = b"qpack-prefix-v1\0"
 
 
-def prefix_keys(tokens: Sequence[int], block_size: int) -> list[PrefixKey]:
-    """Chained keys of the full blocks of `tokens`: key_i = (hash(key_{i-1}), tokens of block i)."""
+def chain_root(salt: bytes = b"") -> PrefixKey:
+    """The parent of every first block: a digest of the salt (empty: the shared, unsalted chain)."""
+    return hashlib.sha256(_DOMAIN + struct.pack("<I", len(salt)) + salt).digest()
+
+
+ROOT = chain_root()
+
+
+def prefix_keys(tokens: Sequence[int], block_size: int, parent: PrefixKey = ROOT) -> list[PrefixKey]:
+    """Chained keys of the full blocks of `tokens`: key_i = sha256(key_{i-1} || block i's ids as int64 LE),
+    key_-1 = `parent` (`chain_root(salt)`, or the key of the block before `tokens` when extending a chain)."""
     keys: list[PrefixKey] = []
-    parent: int | None = None
+    pack = struct.Struct(f"<{block_size}q").pack
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        key: PrefixKey = (parent, tuple(tokens[start : start + block_size]))
-        keys.append(key)
-        parent = hash(key)
+        parent = hashlib.sha256(parent + pack(*tokens[start : start + block_size])).digest()
+        keys.append(parent)
     return keys
 
 

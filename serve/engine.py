@@ -157,6 +157,7 @@ class Engine:
         callback: Callable[[RequestOutput], None],
         priority: int = 0,
         timeout: float | None = None,
+        cache_salt: bytes = b"",
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -165,7 +166,7 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
                 f"{self.max_model_len} tokens"
             )
-        seq = Sequence(request_id, list(prompt_ids), params, priority=priority)
+        seq = Sequence(request_id, list(prompt_ids), params, priority=priority, cache_salt=cache_salt)
         if timeout is not None:
             seq.deadline = time.monotonic() + timeout
         stream = _Stream(seq, max_stop=max((len(s) for s in params.stop), default=0))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serve.block_pool import PrefixKey, prefix_keys
+from serve.block_pool import PrefixKey, chain_root, prefix_keys
 
 
 class Status(enum.Enum):
@@ -56,6 +56,8 @@ class Sequence:
     last_token_time: float | None = None
     cached_prompt_tokens: int = 0
     generator: torch.Generator | None = None
+    cache_salt: bytes = b""  # tenants with different salts never share prefix-cache blocks
+    _keys: list[PrefixKey] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not self.params.greedy:
@@ -80,7 +82,14 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def keys(self, block_size: int) -> list[PrefixKey]:
-        return prefix_keys(self.all_ids, block_size)
+        """Prefix-cache keys of the sequence's full blocks, extended as blocks fill (tokens never change once
+        appended, so earlier keys are computed once)."""
+        full = self.num_tokens // block_size
+        done = len(self._keys)
+        if done < full:
+            parent = self._keys[-1] if self._keys else chain_root(self.cache_salt)
+            self._keys += prefix_keys(self.all_ids[done * block_size : full * block_size], block_size, parent)
+        return self._keys[:full]
 
     def sort_key(self) -> tuple[int, int]:
         """FCFS within priority classes: lower priority value first, then earlier arrival."""

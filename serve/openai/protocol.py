@@ -67,6 +67,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     priority: int
+    cache_salt: str | None = None
 
     @property
     def text_chars(self) -> int:
@@ -122,6 +123,7 @@ def parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
         stream=stream,
         include_usage=bool(options.get("include_usage")),
         priority=int(_number(body, "priority", 0, -1_000_000, 1_000_000, integer=True)),
+        cache_salt=_cache_salt(body),
     )
 
 
@@ -251,6 +253,17 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
         return tuple(_text(s, "stop", "stop") for s in stop if s)
     raise ApiError(400, "'stop' must be a string or a list of up to 16 strings", "stop")
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """The optional `cache_salt` extension (as in vLLM): requests share prefix-cache blocks only with requests of
+    the same salt, so a tenant cannot reuse or probe another tenant's cached prompts."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt or len(salt) > 256:
+        raise ApiError(400, "'cache_salt' must be a non-empty string of at most 256 characters", "cache_salt")
+    return _text(salt, "cache_salt", "cache_salt")
 
 
 def _seed(body: dict[str, Any]) -> int | None:

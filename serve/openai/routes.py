@@ -165,7 +165,7 @@ class Generation:
         try:
             parsed, ids, params = await self._read(request, chat)
             request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            queue = self._submit(request_id, ids, params, parsed.priority)
+            queue = self._submit(request_id, ids, params, parsed)
         except ApiError as error:
             return error_response(error)
         created = int(time.time())
@@ -205,7 +205,7 @@ class Generation:
         return parsed, ids, sampling_params(parsed, len(ids), self.engine.max_model_len)
 
     def _submit(
-        self, request_id: str, ids: list[int], params: SamplingParams, priority: int
+        self, request_id: str, ids: list[int], params: SamplingParams, parsed: GenerationRequest
     ) -> asyncio.Queue[RequestOutput]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -215,7 +215,13 @@ class Generation:
 
         try:
             self.engine.add(
-                request_id, ids, params, callback, priority=priority, timeout=self.info.request_timeout
+                request_id,
+                ids,
+                params,
+                callback,
+                priority=parsed.priority,
+                timeout=self.info.request_timeout,
+                cache_salt=(parsed.cache_salt or "").encode(),
             )
         except QueueFull as exc:
             raise ApiError(

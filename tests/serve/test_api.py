@@ -325,3 +325,19 @@ def test_a_non_streaming_client_that_disconnects_frees_its_blocks_at_once(tiny_l
             time.sleep(0.02)
         assert engine.pool.num_used == 0 and not engine.streams
         assert 'finish_reason="abort"' in engine.metrics.render().decode()
+
+
+def test_cache_salt_keeps_tenants_prefixes_apart(server) -> None:
+    url, _ = server
+    prompt = "Zebra violin quartz marmalade: seven brave lanterns hummed over the sleepy harbour at dawn."
+
+    def cached(salt: str | None) -> int:
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, **({"cache_salt": salt} if salt else {})}
+        usage = httpx.post(f"{url}/v1/completions", json=body).json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+
+    cached("tenant-a")
+    assert cached("tenant-a") > 0  # the same tenant reuses its own prefix
+    assert cached("tenant-b") == 0 and cached(None) == 0  # others neither share nor can probe it
+    bad = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "cache_salt": 7})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"

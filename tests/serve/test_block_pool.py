@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve.block_pool import BlockPool, prefix_keys
+from serve.block_pool import BlockPool, chain_root, prefix_keys
 
 
 def test_allocate_free_and_exhaustion_returns_none() -> None:
@@ -37,7 +37,7 @@ def test_prefix_sharing_and_lru_reuse_of_cached_blocks() -> None:
     pool = BlockPool(5)
     system = [7, 7, 7, 7, 8, 8, 8, 8]
     keys = prefix_keys([*system, 1, 2], block_size=4)
-    assert len(keys) == 2 and keys[1][0] == hash(keys[0])
+    assert len(keys) == 2 and all(isinstance(k, bytes) and len(k) == 32 for k in keys)
     first = pool.allocate(3)
     for block_id, key in zip(first, keys, strict=False):
         pool.register(block_id, key)
@@ -70,8 +70,35 @@ def test_eviction_forgets_the_prefix() -> None:
 def test_different_context_same_tokens_do_not_match() -> None:
     a = prefix_keys([1, 1, 2, 2], block_size=2)
     b = prefix_keys([3, 3, 2, 2], block_size=2)
-    assert a[1][1] == b[1][1] and a[1] != b[1]  # same tokens, different parent: a different block
+    assert a[1] != b[1]  # same tokens, different parent: a different block
     pool = BlockPool(5, enable_caching=False)
     (block,) = pool.allocate(1)
     pool.register(block, a[0])
     assert pool.lookup(a) == []
+
+
+def test_keys_are_sha256_chains_salted_per_tenant() -> None:
+    """An independent answer: the chain recomputed with hashlib; salts separate tenants from the first block."""
+    import hashlib
+    import struct
+
+    tokens = [5, 6, 7, 8, 9, 10, 11]
+    keys = prefix_keys(tokens, block_size=3)
+    expected, parent = [], hashlib.sha256(b"qpack-prefix-v1\0" + struct.pack("<I", 0)).digest()
+    for start in (0, 3):
+        parent = hashlib.sha256(parent + struct.pack("<3q", *tokens[start : start + 3])).digest()
+        expected.append(parent)
+    assert keys == expected
+    alice, bob = chain_root(b"alice"), chain_root(b"bob")
+    assert prefix_keys(tokens, 3, alice)[0] not in (keys[0], prefix_keys(tokens, 3, bob)[0])
+    assert prefix_keys(tokens, 3, alice) == prefix_keys(tokens, 3, chain_root(b"alice"))
+    assert prefix_keys(tokens[3:6], 3, keys[0]) == keys[1:]  # extending a chain continues it
+
+
+def test_a_sequence_extends_its_keys_as_blocks_fill() -> None:
+    from serve.sequence import SamplingParams, Sequence
+
+    seq = Sequence("r", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0), cache_salt=b"t1")
+    assert seq.keys(2) == prefix_keys([1, 2, 3, 4], 2, chain_root(b"t1"))
+    seq.output_ids += [6, 7, 8]
+    assert seq.keys(2) == prefix_keys([1, 2, 3, 4, 5, 6, 7, 8], 2, chain_root(b"t1"))
