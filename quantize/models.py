@@ -143,9 +143,24 @@ def _check_folder(path: Path, where: str) -> tuple[str, str]:
         raise QpackError(f"model folder {path} has no *.safetensors weights{hint}")
     from quantize.tensorfile import check_safetensors
 
-    for weight in weights:
-        check_safetensors(weight, "weights file", "re-download or re-convert the model")
+    names = [
+        name
+        for weight in weights
+        for name in check_safetensors(weight, "weights file", "re-download or re-convert the model")
+    ]
+    quantized = [name for name in names if name.endswith(QPACK_TENSOR_SUFFIXES)]
+    if quantized:
+        raise QpackError(
+            f"{path} holds qpack-quantized tensors ({quantized[0]} and {len(quantized) - 1} more) but no "
+            "manifest.json, so it is a damaged artifact, not a model: restore its manifest.json or re-run "
+            "qpack quantize"
+        )
     return model_type, architecture
+
+
+# Names only qpack's stored schemes give a linear's tensors (an artifact's model.safetensors); a Hugging Face
+# checkpoint has none of them.
+QPACK_TENSOR_SUFFIXES = (".qweight", ".zero_point", ".scb", ".absmax")
 
 
 def _alias_gguf(alias: Alias) -> Path:
@@ -326,17 +341,37 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
 
     _quiet_transformers()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(source.path), dtype=dtype or torch.float32, use_safetensors=True
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(source.path), dtype=dtype or torch.float32, use_safetensors=True, output_loading_info=True
         )
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise QpackError(
             f"could not load model weights from {source.path} ({first}); check the folder"
         ) from None
+    _check_loading(source.path, info)
     model.to(device)
     model.eval()
     return model
+
+
+def _check_loading(path: Path, info: dict[str, Any]) -> None:
+    """Strict loading: weights the architecture lacks, or weights it needs that the files lack (which
+    transformers would fill with random values), or shapes that disagree, are an error naming them."""
+    problems = []
+    for kind, label in (
+        ("missing_keys", "missing from the weights"),
+        ("unexpected_keys", "not part of the architecture"),
+        ("mismatched_keys", "of the wrong shape"),
+    ):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(kind) or ())
+        if names:
+            problems.append(f"{len(names)} tensors {label} (e.g. {', '.join(names[:3])})")
+    if problems:
+        raise QpackError(
+            f"model folder {path} does not match its config.json: {'; '.join(problems)}; re-download or "
+            "re-convert the model"
+        )
 
 
 def load_tokenizer(source: ModelSource | Path, tokenizer_class: str | None = None) -> PreTrainedTokenizerBase:

@@ -132,12 +132,13 @@ def _reported(path: Path, what: str, fix: str) -> Iterator[None]:
         raise QpackError(f"{what} {path} is corrupt or truncated ({exc}); {fix}") from None
 
 
-def check_safetensors(path: str | os.PathLike[str], what: str, fix: str) -> None:
-    """Cheap integrity check (header and length, no data read): QpackError '{what} {path} is corrupt or
-    truncated (...); {fix}'."""
+def check_safetensors(path: str | os.PathLike[str], what: str, fix: str) -> list[str]:
+    """Cheap integrity check (header and length, no data read): the tensor names, or QpackError '{what} {path}
+    is corrupt or truncated (...); {fix}'."""
     path = Path(path)
     with _reported(path, what, fix), open(path, "rb") as handle:
-        _header(handle, path.stat().st_size)
+        entries, _start = _header(handle, path.stat().st_size)
+    return sorted(entries)
 
 
 def read_safetensors(path: str | os.PathLike[str], what: str, fix: str) -> dict[str, torch.Tensor]:

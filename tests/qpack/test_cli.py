@@ -101,3 +101,12 @@ def test_serve_reports_every_bad_option_at_once(tiny_llama: Path) -> None:
     error = json.loads(result.stdout)["error"]
     assert "--block-size" in error and "--kv-dtype must be one of float32, bfloat16, float16" in error
     assert "--port" in error
+
+
+def test_serving_an_artifact_without_its_manifest_exits_2(tiny_qwen2_artifact: Path, copy_dir) -> None:
+    folder = copy_dir(tiny_qwen2_artifact, "damaged")
+    (folder / "manifest.json").unlink()
+    result = runner.invoke(app, ["serve", str(folder), "--port", "8123"])
+    assert (
+        result.exit_code == 2 and "damaged artifact" in result.stderr and len(result.stderr.splitlines()) <= 3
+    )

@@ -68,3 +68,32 @@ def test_offline_hub_id_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> No
     message = str(excinfo.value)
     assert "Hugging Face Hub could not provide it" in message and "\n" not in message
     assert "smollm2-135m" in message
+
+
+def test_plain_model_loading_is_strict(tiny_llama: Path, copy_dir) -> None:
+    """Weights the config does not describe, or that it needs and the files lack, are an error: transformers
+    alone would fill missing ones with random values and serve nonsense."""
+    from safetensors.torch import load_file, save_file
+
+    for name, change, expected in (
+        ("a", lambda t: t.pop("model.layers.0.mlp.up_proj.weight"), "missing from the weights"),
+        (
+            "b",
+            lambda t: t.__setitem__("model.layers.0.extra.weight", t["model.norm.weight"].clone()),
+            "not part of the architecture",
+        ),
+    ):
+        folder = copy_dir(tiny_llama, name)
+        weights = folder / "model.safetensors"
+        tensors = load_file(str(weights))
+        change(tensors)
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+        with pytest.raises(QpackError, match=f"does not match its config.json: 1 tensors {expected}"):
+            load_model(resolve_model(str(folder)))
+
+
+def test_an_artifact_without_its_manifest_is_not_a_model(tiny_qwen2_artifact: Path, copy_dir) -> None:
+    folder = copy_dir(tiny_qwen2_artifact, "damaged")
+    (folder / "manifest.json").unlink()
+    with pytest.raises(QpackError, match=r"qpack-quantized tensors .* no manifest.json.*damaged artifact"):
+        resolve_model(str(folder))
