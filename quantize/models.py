@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -196,11 +197,34 @@ def _gguf_architecture(gguf_path: Path) -> str:
         ) from None
 
 
+# Quantization backends transformers imports while loading any model, when they are installed, to recognise
+# checkpoints quantized by them. qpack loads only unquantized checkpoints (its own artifacts it loads itself), so
+# these imports buy nothing and cost a user's terminal warnings from their native libraries (torchao: "Failed to
+# load ..._C_mxfp8...", torch._pytree "Enum subclass" warnings) and seconds of start-up. Peer benchmarks import
+# them directly when they run.
+_UNUSED_BACKENDS = ("torchao",)
+
+
 def _quiet_transformers() -> None:
     import transformers
+    from transformers.utils import import_utils
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    for backend in _UNUSED_BACKENDS:
+        probe = f"is_{backend}_available"
+        if hasattr(import_utils, probe) and backend not in sys.modules:
+            unavailable = _unavailable(getattr(import_utils, probe))
+            setattr(import_utils, probe, unavailable)
+            setattr(transformers.utils, probe, unavailable)
+
+
+def _unavailable(probe: Any) -> Any:
+    def unavailable(*_args: Any, **_kwargs: Any) -> bool:
+        return False
+
+    unavailable.__wrapped__ = probe  # type: ignore[attr-defined]
+    return unavailable
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = NULL_PROGRESS) -> None:

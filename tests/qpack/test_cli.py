@@ -110,3 +110,18 @@ def test_serving_an_artifact_without_its_manifest_exits_2(tiny_qwen2_artifact: P
     assert (
         result.exit_code == 2 and "damaged artifact" in result.stderr and len(result.stderr.splitlines()) <= 3
     )
+
+
+def test_third_party_warnings_stay_off_the_terminal(monkeypatch) -> None:
+    import warnings
+
+    import quantize.models
+    from qpack.cli import _third_party_warnings_off
+
+    shown: list[str] = []
+    monkeypatch.delenv("QPACK_SHOW_WARNINGS", raising=False)
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *_args, **_kwargs: shown.append(str(message)))
+    _third_party_warnings_off()
+    warnings.showwarning("from a library", UserWarning, "/somewhere/site-packages/torch/x.py", 1)
+    warnings.showwarning("from qpack", UserWarning, quantize.models.__file__, 1)
+    assert shown == ["from qpack"]

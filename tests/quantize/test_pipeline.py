@@ -201,3 +201,37 @@ def test_planner_spends_bits_where_sensitivity_is(stories_calibration, tmp_path)
     gain = lambda f: rows[(f, "int4-g32")] - rows.get((f, "int8"), 0.0)  # noqa: E731
     assert upgraded and kept
     assert sum(gain(f) for f in upgraded) / len(upgraded) > sum(gain(f) for f in kept) / len(kept)
+
+
+def test_an_impossible_size_budget_fails_before_any_sensitivity_is_measured(
+    tiny_llama, tiny_llama_calibration, tmp_path, monkeypatch
+):
+    """The reachable range depends on layer shapes and candidates only: no minutes of sensitivity first."""
+    import quantize.pipeline as pipeline
+
+    def measured(*_args, **_kwargs):
+        raise AssertionError("sensitivity measured before the budget was checked")
+
+    monkeypatch.setattr(pipeline, "measure_sensitivity", measured)
+    with pytest.raises(
+        QpackError, match=r"--target-bits 4\.0 is below the 8\.\d+ bits .*reachable: 8\.\d+ to 16\.\d+"
+    ):
+        quantize_model(_config(tiny_llama_calibration, tmp_path / "a", preset="int8", target_bits=4.0))
+    assert not any(tmp_path.iterdir())
+
+
+def test_loading_a_model_imports_no_peer_backend(tiny_llama):
+    """transformers imports any installed quantization backend it knows while loading a model; torchao (a peer
+    benchmark's dependency) then prints native-library failures and torch warnings on every command."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    assert importlib.util.find_spec("torchao") is not None, "the peers extra is part of the test set-up"
+    check = (
+        "import sys; from quantize.models import load_model, resolve_model; "
+        f"load_model(resolve_model({str(tiny_llama)!r})); assert 'torchao' not in sys.modules"
+    )
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Failed to load" not in proc.stderr and "Enum subclass" not in proc.stderr
