@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +27,7 @@ from quantize.artifact import FORMAT as ARTIFACT_FORMAT
 from quantize.artifact import MANIFEST_FILE, load_artifact, read_manifest, verify_artifact
 from quantize.calibdata import CalibrationData
 from quantize.errors import QpackError
-from quantize.fileio import read_json, sha256_file, write_json
+from quantize.fileio import read_json, sha256_file, write_bytes, write_json
 from quantize.models import load_model, load_tokenizer, resolve_model, weights_sha256
 from quantize.progress import NULL_PROGRESS, Progress
 
@@ -164,10 +162,7 @@ def _write_reports(root: Path, files: dict[str, bytes]) -> dict[str, str]:
     folder.mkdir(exist_ok=True)
     hashes = {}
     for name, data in files.items():
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, folder / name)
+        write_bytes(folder / name, data)
         hashes[f"{REPORT_DIR}/{name}"] = sha256_file(folder / name)
     return hashes
 

@@ -21,14 +21,13 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quantize.errors import QpackError
-from quantize.fileio import read_json, sha256_file, sha256_files, write_json
+from quantize.fileio import discard_partial, partial_dir, read_json, sha256_file, sha256_files, write_json
 from quantize.progress import NULL_PROGRESS, Progress
 
 if TYPE_CHECKING:
@@ -240,7 +239,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = NULL_PROGR
             f"qpack supports {', '.join(GGUF_ARCHITECTURES)} GGUF models"
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    tmp = partial_dir(out_dir)
     try:
         with progress.task(f"Converting {gguf_path.name} to an FP32 folder (once, ~30 s)", total=3) as task:
             try:
@@ -284,8 +283,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = NULL_PROGR
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
+        discard_partial(tmp)  # its owner record
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard_partial(tmp)
         raise
 
 

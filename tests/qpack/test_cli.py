@@ -120,7 +120,9 @@ def test_third_party_warnings_stay_off_the_terminal(monkeypatch) -> None:
 
     shown: list[str] = []
     monkeypatch.delenv("QPACK_SHOW_WARNINGS", raising=False)
-    monkeypatch.setattr(warnings, "showwarning", lambda message, *_args, **_kwargs: shown.append(str(message)))
+    monkeypatch.setattr(
+        warnings, "showwarning", lambda message, *_args, **_kwargs: shown.append(str(message))
+    )
     _third_party_warnings_off()
     warnings.showwarning("from a library", UserWarning, "/somewhere/site-packages/torch/x.py", 1)
     warnings.showwarning("from qpack", UserWarning, quantize.models.__file__, 1)
