@@ -72,6 +72,7 @@ class SourceReport:
     num_malformed: int = 0
     truncated: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
+    fields: dict[str, int] = dataclasses.field(default_factory=dict)  # records read per field
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -79,6 +80,7 @@ class SourceReport:
             "format": self.format,
             "sha256": self.sha256,
             "field": self.field,
+            "fields": dict(self.fields),
             "records": self.num_records,
             "malformed": self.num_malformed,
             "truncated": self.truncated,
@@ -170,17 +172,23 @@ def _lookup(record: dict[str, Any], dotted: str) -> Any:
     return value
 
 
+def record_field(record: Any) -> str | None:
+    """The query field of one record: its first known field, conversation fields before text fields (real logs
+    mix completion records with a `prompt` and chat records with `messages`)."""
+    if not isinstance(record, dict):
+        return None
+    keys = {key.lower(): key for key in record}
+    return next((keys[name] for name in CONVERSATION_FIELDS + TEXT_FIELDS if name in keys), None)
+
+
 def detect_field(records: Iterable[Any]) -> str | None:
     """The first known field present in the first records (conversation fields win over text fields)."""
     for index, record in enumerate(records):
         if index >= 200:
             break
-        if not isinstance(record, dict):
-            continue
-        keys = {key.lower(): key for key in record}
-        for name in CONVERSATION_FIELDS + TEXT_FIELDS:
-            if name in keys:
-                return keys[name]
+        name = record_field(record)
+        if name is not None:
+            return name
     return None
 
 
@@ -200,27 +208,71 @@ def to_conversation(record: Any, field_name: str | None) -> Conversation | None:
 
 
 def _convert(
-    records: list[Any], report: SourceReport, field_name: str | None, path: Path
+    records: list[Any],
+    report: SourceReport,
+    field_name: str | None,
+    path: Path,
+    positions: list[str] | None = None,
 ) -> list[Conversation]:
-    if field_name is None:
-        field_name = detect_field(records)
-        if field_name is None and records and not all(isinstance(r, str) for r in records[:200]):
-            wanted = ", ".join(CONVERSATION_FIELDS + TEXT_FIELDS)
-            keys = sorted({k for r in records[:200] if isinstance(r, dict) for k in r})
-            raise QpackError(
-                f"no query field found in {path} (looked for {wanted}; records have {', '.join(keys[:12])}); "
-                "pass --field NAME"
-            )
-    report.field = field_name
+    """Records → conversations. Without --field each record's own field is used, so a file mixing `prompt` and
+    `messages` records keeps both kinds; records without a usable query are counted, with where the first is."""
+    if (
+        field_name is None
+        and detect_field(records) is None
+        and records
+        and not all(isinstance(r, str) for r in records[:200])
+    ):
+        wanted = ", ".join(CONVERSATION_FIELDS + TEXT_FIELDS)
+        keys = sorted({k for r in records[:200] if isinstance(r, dict) for k in r})
+        raise QpackError(
+            f"no query field found in {path} (looked for {wanted}; records have {', '.join(keys[:12])}); "
+            "pass --field NAME"
+        )
+    fields: dict[str, int] = {}
+    lacking: list[int] = []
+    unusable: list[int] = []
     conversations: list[Conversation] = []
-    for record in records:
-        conversation = to_conversation(record, field_name)
-        if conversation is None:
-            report.num_malformed += 1
-        else:
+    for index, record in enumerate(records):
+        name = field_name if field_name is not None else record_field(record)
+        conversation = to_conversation(record, name)
+        if conversation is not None:
             conversations.append(conversation)
+            key = name if isinstance(record, dict) and name is not None else "(text)"
+            fields[key] = fields.get(key, 0) + 1
+        elif isinstance(record, dict) and (name is None or not _has(record, name)):
+            lacking.append(index)
+        else:
+            unusable.append(index)
+    report.fields = fields
+    report.field = field_name or (
+        next(iter(fields))
+        if len(fields) == 1
+        else ", ".join(f"{k} ({v:,})" for k, v in fields.items()) or None
+    )
+    report.num_malformed += len(lacking) + len(unusable)
     report.num_records = len(conversations)
+    where = positions or [f"record {i + 1:,}" for i in range(len(records))]
+    if lacking:
+        what = (
+            f"a {field_name!r} field"
+            if field_name
+            else f"any query field ({', '.join(CONVERSATION_FIELDS + TEXT_FIELDS)})"
+        )
+        report.notes.append(f"{len(lacking):,} records lack {what}, e.g. {where[lacking[0]]}; skipped")
+    if unusable:
+        report.notes.append(
+            f"{len(unusable):,} records hold no query text or message list in their field, e.g. "
+            f"{where[unusable[0]]}; skipped"
+        )
     return conversations
+
+
+def _has(record: dict[str, Any], dotted: str) -> bool:
+    try:
+        _lookup(record, dotted)
+    except KeyError:
+        return False
+    return True
 
 
 def iter_json_array(text: str) -> tuple[list[Any], int | None]:
@@ -287,12 +339,14 @@ def _read_jsonl_text(
     text: str, path: Path, report: SourceReport, field_name: str | None
 ) -> list[Conversation]:
     records: list[Any] = []
+    positions: list[str] = []
     lines = text.split("\n")
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             records.append(json.loads(line))
+            positions.append(f"line {number:,}")
         except json.JSONDecodeError:
             report.num_malformed += 1
             if number == len(lines):
@@ -302,7 +356,7 @@ def _read_jsonl_text(
         report.notes.append(f"{report.num_malformed} lines are not valid JSON; skipped")
     elif report.num_malformed > 1:
         report.notes.append(f"{report.num_malformed - 1} other lines are not valid JSON; skipped")
-    return _convert(records, report, field_name, path)
+    return _convert(records, report, field_name, path, positions)
 
 
 def _read_jsonl(path: Path, report: SourceReport, field_name: str | None) -> list[Conversation]:

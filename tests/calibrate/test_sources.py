@@ -150,3 +150,28 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
 def test_default_sharegpt_is_found() -> None:
     path = default_queries_path()
     assert path.name == "ShareGPT_V3_unfiltered_cleaned_split.json" and path.is_file()
+
+
+def test_mixed_completion_and_chat_records_are_both_read(tmp_path: Path) -> None:
+    """Real logs mix completion calls (`prompt`) and chat calls (`messages`): each record's own field is used, and
+    what is skipped is counted with where the first one is."""
+    lines = [
+        {"prompt": "first completion"},
+        {"messages": [{"role": "user", "content": "first chat"}]},
+        {"prompt": "second completion"},
+        {"id": 7, "latency_ms": 12},
+        {"messages": 42},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "second chat"}]},
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    data = read_source(path)
+    users = [m.content for c in data.conversations for m in c if m.role == "user"]
+    assert users == ["first completion", "first chat", "second completion", "second chat"]
+    report = data.report
+    assert report.fields == {"prompt": 2, "messages": 2} and report.field == "prompt (2), messages (2)"
+    assert report.num_records == 4 and report.num_malformed == 2
+    assert any("1 records lack any query field" in n and "line 4" in n for n in report.notes), report.notes
+    assert any("no query text or message list" in n and "line 5" in n for n in report.notes), report.notes
+    forced = read_source(path, field_name="prompt").report
+    assert forced.num_records == 2 and any("4 records lack a 'prompt' field, e.g. line 2" in n for n in forced.notes)
