@@ -5,6 +5,13 @@ Produces the calibration directory described in `quantize.calibdata`.
 
 from __future__ import annotations
 
-from calibrate.pipeline import CalibrationConfig, CalibrationResult, run_calibration
+from quantize.exports import lazy_exports
 
-__all__ = ["CalibrationConfig", "CalibrationResult", "run_calibration"]
+_EXPORTS = {
+    "CalibrationConfig": "calibrate.pipeline",
+    "CalibrationResult": "calibrate.pipeline",
+    "run_calibration": "calibrate.pipeline",
+    "read_source": "calibrate.sources",
+}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports("calibrate", _EXPORTS)

@@ -7,6 +7,7 @@ warnings go to stderr so they never corrupt that JSON. `--quiet` silences everyt
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -71,12 +72,26 @@ class RichProgress:
         self._console.print(message, highlight=False)
 
 
+LOG_WIDTH = 160  # columns when writing to a file or pipe (a CI log) and COLUMNS is not set
+
+
+def console(stderr: bool = False) -> Console:
+    """A rich console; when the stream is not a terminal (`make demo > log`, a CI step) it renders at COLUMNS or
+    LOG_WIDTH columns instead of rich's default 80, which squeezed wide tables into wrapped, cut-off cells."""
+    stream = sys.stderr if stderr else sys.stdout
+    width = None
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        columns = os.environ.get("COLUMNS", "")
+        width = int(columns) if columns.isdigit() and int(columns) > 0 else LOG_WIDTH
+    return Console(stderr=stderr, soft_wrap=False, width=width)
+
+
 @dataclass
 class Output:
     json_mode: bool = False
     quiet: bool = False
-    stdout: Console = field(default_factory=lambda: Console(soft_wrap=False))
-    stderr: Console = field(default_factory=lambda: Console(stderr=True))
+    stdout: Console = field(default_factory=console)
+    stderr: Console = field(default_factory=lambda: console(stderr=True))
 
     def progress(self) -> Progress:
         return NULL_PROGRESS if self.quiet else RichProgress(self.stderr)

@@ -174,4 +174,6 @@ def test_mixed_completion_and_chat_records_are_both_read(tmp_path: Path) -> None
     assert any("1 records lack any query field" in n and "line 4" in n for n in report.notes), report.notes
     assert any("no query text or message list" in n and "line 5" in n for n in report.notes), report.notes
     forced = read_source(path, field_name="prompt").report
-    assert forced.num_records == 2 and any("4 records lack a 'prompt' field, e.g. line 2" in n for n in forced.notes)
+    assert forced.num_records == 2 and any(
+        "4 records lack a 'prompt' field, e.g. line 2" in n for n in forced.notes
+    )

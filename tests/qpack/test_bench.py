@@ -44,6 +44,15 @@ def stub_app() -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    @app.get("/metrics")
+    async def metrics():  # what llama-server answers without --metrics
+        error = {
+            "code": 501,
+            "message": "This server does not support metrics endpoint.",
+            "type": "not_supported",
+        }
+        return JSONResponse({"error": error}, status_code=501)
+
     return app
 
 
@@ -164,3 +173,16 @@ def test_decode_bench_of_an_int4_artifact_on_torchs_kernels(
     breakdown = result["profile_batch1"]["breakdown_ms"]
     assert breakdown["fused decoder layers (native: linears, attention, norms)"] == 0
     assert breakdown["quantized kernels"] > 0  # torch's _weight_int4pack_mm_for_cpu
+
+
+def test_a_server_without_qpack_metrics_is_reported_as_unavailable(stub_url: str) -> None:
+    """`bench serve --url` against another OpenAI-compatible server: a JSON error body or another exporter's
+    metrics are 'unavailable', never a crash at the end of the run."""
+    from qpack.bench.serving import MetricsWatcher, _final_metrics
+
+    foreign = '# HELP llamacpp:tokens_predicted_total x\nllamacpp:tokens_predicted_total 12\nweird line here\n{"a": 1}'
+    assert MetricsWatcher.parse(foreign) == {"llamacpp:tokens_predicted_total": 12.0}
+    assert _final_metrics(stub_url) == {"final_kv_blocks_used": None, "server_errors": None}
+    with MetricsWatcher(stub_url) as watcher:
+        time.sleep(0.5)
+    assert not watcher.seen

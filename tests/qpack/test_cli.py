@@ -127,3 +127,32 @@ def test_third_party_warnings_stay_off_the_terminal(monkeypatch) -> None:
     warnings.showwarning("from a library", UserWarning, "/somewhere/site-packages/torch/x.py", 1)
     warnings.showwarning("from qpack", UserWarning, quantize.models.__file__, 1)
     assert shown == ["from qpack"]
+
+
+def test_tables_in_a_log_are_whole(tmp_path: Path) -> None:
+    """Output to a file or pipe (CI logs) renders at COLUMNS or 160 columns, not 80: a wide table keeps every
+    cell whole and the log is valid UTF-8."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # explicit: the C environment may differ
+    script = (
+        "from rich.table import Table; from qpack.console import Output; t = Table(title='grid'); "
+        "[t.add_column(f'column number {i}') for i in range(8)]; "
+        "t.add_row(*[f'value-{i}-abcdefgh' for i in range(8)]); Output().result({}, t)"
+    )
+    log = tmp_path / "log.txt"
+    with open(log, "wb") as handle:
+        subprocess.run([sys.executable, "-c", script], stdout=handle, check=True, env=env, timeout=120)
+    text = log.read_bytes().decode("utf-8")  # raises on a cut multi-byte character
+    assert all(f"value-{i}-abcdefgh" in text for i in range(8)) and "…" not in text, text
+    assert max(len(line) for line in text.splitlines()) <= 160
+    narrow = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        check=True,
+        env={**env, "COLUMNS": "100"},
+        timeout=120,
+    )
+    assert max(len(line) for line in narrow.stdout.decode().splitlines()) <= 100
