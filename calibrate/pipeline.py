@@ -38,13 +38,13 @@ from quantize.errors import QpackError
 from quantize.fileio import atomic_output_dir, check_output_dir, sha256_file, write_json
 from quantize.models import (
     ModelSource,
-    load_model,
     load_tokenizer,
     resolve_model,
     tokenizer_sha256,
     weights_sha256,
 )
 from quantize.progress import NULL_PROGRESS, Progress
+from quantize.streamed import StreamedModel
 
 
 @dataclass(frozen=True)
@@ -189,10 +189,9 @@ def run_calibration(config: CalibrationConfig, progress: Progress = NULL_PROGRES
         timings["coverage"] = time.perf_counter() - phase
 
     phase = time.perf_counter()
-    model = load_model(source)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    stats = collect_stats(model, selection.train_ids, pad_id, config.token_budget, progress)
-    del model
+    streamed = StreamedModel(source.path)
+    stats = collect_stats(streamed, selection.train_ids, config.token_budget, progress)
+    del streamed
     timings["activation_stats"] = time.perf_counter() - phase
 
     manifest = _manifest(config, source, selection, use_template, coverage, reference_reports)

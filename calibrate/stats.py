@@ -1,23 +1,31 @@
-"""Activation statistics of every linear layer's input, from one batched forward pass.
+"""Activation statistics of every linear layer's input, block by block.
 
 AWQ's scale search and SmoothQuant's migration both need, per input channel of each linear layer, how large
 the activations get (abs-max) and how much energy they carry (mean square); the sensitivity planner uses them
-too. Collecting them takes one forward pass over the calibration tokens with pre-forward hooks. Padding is
-excluded through the attention mask, so batching by length changes nothing but speed. The LM head's input is
-the final hidden state; it is measured directly instead of computing vocabulary-sized logits that nobody
-needs here.
+too. The calibration sequences are packed into rows with a block-diagonal causal mask (no padding, so nothing
+needs masking out) and carried through the decoder one block at a time, with pre-forward hooks on that block's
+linears: a streamed model needs only one block in memory. The LM head's input is the final normed hidden state;
+it is measured directly instead of computing vocabulary-sized logits that nobody needs here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from quantize.calibdata import ChannelStats
+from quantize.layerwise import LayerwiseModel, make_packs
 from quantize.progress import NULL_PROGRESS, Progress
+from quantize.streamed import StreamedModel
+
+Reduced = tuple[torch.Tensor, torch.Tensor, int]  # per-channel abs-max, sum of squares (float64), tokens
+
+
+def _reduce(x: torch.Tensor) -> Reduced:
+    flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)  # [tokens, in_features]
+    return flat.abs().amax(dim=0), (flat * flat).sum(dim=0).to(torch.float64), flat.shape[0]
 
 
 class _Accumulator:
@@ -26,7 +34,8 @@ class _Accumulator:
         self.sum_sq = torch.zeros(in_features, dtype=torch.float64)
         self.num_tokens = 0
 
-    def update(self, abs_max: torch.Tensor, sum_sq: torch.Tensor, num_tokens: int) -> None:
+    def update(self, reduced: Reduced) -> None:
+        abs_max, sum_sq, num_tokens = reduced
         torch.maximum(self.abs_max, abs_max, out=self.abs_max)
         self.sum_sq += sum_sq
         self.num_tokens += num_tokens
@@ -36,122 +45,56 @@ class _Accumulator:
         return ChannelStats(abs_max=self.abs_max.clone(), mean_sq=mean_sq, num_tokens=self.num_tokens)
 
 
-class ActivationStatsCollector:
-    """Hooks every `nn.Linear` of `model`; feed it batches with `collect`, then read `results()`."""
+def _hooks(block: nn.Module, prefix: str, accumulators: dict[str, _Accumulator]) -> list[Any]:
+    """Pre-forward hooks on a block's linears; linears sharing an input (q/k/v, gate/up) reduce it once."""
+    last: dict[str, Any] = {"x": None, "reduced": None}
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self._mask_size = 0
-        self._accumulators: dict[str, _Accumulator] = {}
-        self._handles: list[Any] = []
-        self._last_input: torch.Tensor | None = None
-        self._last_stats: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        self._valid_rows: torch.Tensor | None = None
-        self._scratch: dict[int, torch.Tensor] = {}
-        for name, module in model.named_modules():
-            if isinstance(module, nn.Linear):
-                self._accumulators[name] = _Accumulator(module.in_features)
-                self._handles.append(module.register_forward_pre_hook(self._hook(name)))
+    def reduced(x: torch.Tensor) -> Reduced:
+        if x is not last["x"]:
+            last["x"], last["reduced"] = x, _reduce(x)
+        return last["reduced"]  # type: ignore[no-any-return]
 
-    def _hook(self, name: str) -> Any:
-        accumulator = self._accumulators[name]
-
-        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
-            accumulator.update(*self._reduce(args[0]))
-
-        return hook
-
-    def _buffer(self, rows: int, features: int) -> torch.Tensor:
-        """Reused scratch memory: fresh 50 MB temporaries per hook cost more in page faults than the math."""
-        buffer = self._scratch.get(features)
-        if buffer is None or buffer.shape[0] < rows:
-            buffer = torch.empty(rows, features, dtype=torch.float32)
-            self._scratch[features] = buffer
-        return buffer[:rows]
-
-    def _reduce(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Per-channel (abs-max, sum of squares, tokens) of one input; q/k/v and gate/up share theirs."""
-        if x is self._last_input and self._last_stats is not None:
-            return self._last_stats
-        flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)  # [batch * seq, in_features]
-        if self._valid_rows is not None and flat.shape[0] == self._mask_size:
-            flat = torch.index_select(flat, 0, self._valid_rows)  # [valid tokens, in_features]
-        work = self._buffer(flat.shape[0], flat.shape[1])
-        torch.abs(flat, out=work)
-        abs_max = work.amax(dim=0)
-        torch.mul(flat, flat, out=work)
-        sum_sq = work.sum(dim=0).to(torch.float64)
-        stats = (abs_max, sum_sq, flat.shape[0])
-        self._last_input, self._last_stats = x, stats
-        return stats
-
-    @torch.inference_mode()
-    def collect(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        # input_ids, attention_mask: [batch, seq]
-        mask = attention_mask.bool().reshape(-1)
-        self._mask_size = mask.numel()
-        self._valid_rows = None if bool(mask.all()) else mask.nonzero().squeeze(1)
-        try:
-            base = getattr(self.model, "model", None)
-            head = getattr(self.model, "lm_head", None)
-            if isinstance(base, nn.Module) and isinstance(head, nn.Linear):
-                hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-                head_name = next(n for n, m in self.model.named_modules() if m is head)
-                self._accumulators[head_name].update(*self._reduce(hidden))
-            else:
-                self.model(input_ids=input_ids, attention_mask=attention_mask)
-        finally:
-            self._valid_rows = None
-            self._last_input = self._last_stats = None
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def results(self) -> dict[str, ChannelStats]:
-        return {name: acc.result() for name, acc in self._accumulators.items()}
+    handles = []
+    for name, module in block.named_modules():
+        if isinstance(module, nn.Linear):
+            accumulator = accumulators[prefix + name]
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda _m, args, acc=accumulator: acc.update(reduced(args[0]))
+                )
+            )
+    return handles
 
 
-def length_batches(lengths: list[int], token_budget: int, max_batch: int = 64) -> Iterator[list[int]]:
-    """Indices grouped longest-first so each padded batch stays within `token_budget` tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batch: list[int] = []
-    for index in order:
-        longest = lengths[batch[0]] if batch else lengths[index]
-        if batch and (longest * (len(batch) + 1) > token_budget or len(batch) >= max_batch):
-            yield batch
-            batch = []
-        batch.append(index)
-    if batch:
-        yield batch
-
-
-def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, sequence in enumerate(sequences):
-        input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
-        attention_mask[row, : len(sequence)] = 1
-    return input_ids, attention_mask
-
-
+@torch.inference_mode()
 def collect_stats(
-    model: nn.Module,
+    model: nn.Module | StreamedModel,
     sequences: list[list[int]],
-    pad_id: int,
     token_budget: int = 4096,
     progress: Progress = NULL_PROGRESS,
 ) -> dict[str, ChannelStats]:
-    collector = ActivationStatsCollector(model)
-    try:
-        lengths = [len(s) for s in sequences]
-        with progress.task("Activation statistics (forward pass)", total=sum(lengths)) as task:
-            for batch in length_batches(lengths, token_budget):
-                input_ids, attention_mask = pad_batch([sequences[i] for i in batch], pad_id)
-                collector.collect(input_ids, attention_mask)
-                task.advance(sum(lengths[i] for i in batch))
-    finally:
-        collector.close()
-    return collector.results()
+    """Per-channel abs-max and mean square of every linear's input over `sequences` (packed `token_budget`
+    tokens to a row), one decoder block at a time."""
+    lw = LayerwiseModel(model)
+    accumulators = {
+        name: _Accumulator(int(module.in_features))
+        for name, module in lw.model.named_modules()
+        if isinstance(module, nn.Linear)
+    }
+    packs = make_packs([torch.tensor(s, dtype=torch.int64) for s in sequences], token_budget)
+    hidden = [lw.embed(p) for p in packs]
+    with progress.task("Activation statistics (block by block)", total=lw.num_layers) as task:
+        for index in range(lw.num_layers):
+            with lw.block(index) as block:
+                handles = _hooks(block, f"model.layers.{index}.", accumulators)
+                try:
+                    hidden = [lw.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
+                finally:
+                    for handle in handles:
+                        handle.remove()
+            task.advance()
+    head = next(n for n, m in lw.model.named_modules() if m is lw.lm_head)
+    for h in hidden:
+        accumulators[head].update(_reduce(lw.norm(h)))
+    lw.forget_rope()
+    return {name: acc.result() for name, acc in accumulators.items()}

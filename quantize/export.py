@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from quantize.artifact import MANIFEST_FILE, WEIGHTS_FILE, read_manifest, verify_artifact
+from quantize.artifact import INDEX_FILE, MANIFEST_FILE, read_manifest, verify_artifact, weight_files
 from quantize.errors import QpackError
 from quantize.fileio import atomic_output_dir, read_json, write_json
 from quantize.handlers import handler_for
@@ -95,7 +95,9 @@ def export_compressed_tensors(artifact: Path, output: Path, overwrite: bool = Fa
             + "; ".join(problems)
             + "; re-quantize them with int4/int8/w8a8 (qpack artifacts still serve them)"
         )
-    state = load_file(str(artifact / WEIGHTS_FILE))
+    state: dict[str, torch.Tensor] = {}
+    for name in weight_files(artifact, manifest):
+        state.update(load_file(str(artifact / name)))
     groups: dict[str, dict[str, Any]] = {}
     dense: list[str] = []
     out_tensors: dict[str, torch.Tensor] = {}
@@ -197,5 +199,6 @@ def _write_export(
         write_json(tmp / "config.json", config)
         for path in sorted(artifact.iterdir()):
             tokenizer_file = path.suffix in (".json", ".jinja", ".model", ".txt")
-            if path.name not in (WEIGHTS_FILE, MANIFEST_FILE, "config.json") and tokenizer_file:
+            weights = path.suffix == ".safetensors" or path.name == INDEX_FILE
+            if path.name not in (MANIFEST_FILE, "config.json") and not weights and tokenizer_file:
                 shutil.copy2(path, tmp / path.name)

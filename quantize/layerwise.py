@@ -12,6 +12,7 @@ boundary, so the result is exactly the per-query forward, with matmuls large eno
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from quantize.streamed import StreamedModel
 
 
 @dataclass
@@ -116,9 +119,13 @@ def make_packs(sequences: list[torch.Tensor], max_tokens: int, share_prefix: boo
 
 
 class LayerwiseModel:
-    """Block-by-block access to a `*ForCausalLM` of the Llama family."""
+    """Block-by-block access to a `*ForCausalLM` of the Llama family, loaded or streamed (`StreamedModel`: a
+    block's weights exist only inside `block(i)`; `run_block` materializes it when no caller holds it)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module | StreamedModel) -> None:
+        self.streamed = model if isinstance(model, StreamedModel) else None
+        if isinstance(model, StreamedModel):
+            model = model.model
         self.model = model
         base = model.model  # type: ignore[attr-defined]
         self.embed_tokens: nn.Module = base.embed_tokens
@@ -131,6 +138,12 @@ class LayerwiseModel:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def block(self, index: int) -> contextlib.AbstractContextManager[nn.Module]:
+        """Block `index` ready to run for the duration (streamed: read from disk once, dropped after)."""
+        if self.streamed is not None:
+            return self.streamed.block(index)
+        return contextlib.nullcontext(self.layers[index])
 
     @torch.inference_mode()
     def embed(self, pack: Pack) -> torch.Tensor:
@@ -145,13 +158,22 @@ class LayerwiseModel:
     @torch.inference_mode()
     def run_block(self, index: int, hidden: torch.Tensor, pack: Pack) -> torch.Tensor:
         """hidden [B, T, H] -> [B, T, H]; B > 1 runs several variants of the same pack at once."""
-        out = self.layers[index](
-            hidden,
-            attention_mask=pack.mask,
-            position_ids=pack.position_ids,
-            position_embeddings=self.rope(pack, hidden[:1]),
-        )
+        with self.block(index) as layer:
+            out = layer(
+                hidden,
+                attention_mask=pack.mask,
+                position_ids=pack.position_ids,
+                position_embeddings=self.rope(pack, hidden[:1]),
+            )
         return out[0] if isinstance(out, tuple) else out
+
+    @torch.inference_mode()
+    def run_blocks(self, hidden: list[torch.Tensor], packs: list[Pack], start: int = 0) -> list[torch.Tensor]:
+        """Every pack through blocks `start..end` (each block materialized once for all packs), no final norm."""
+        for index in range(start, self.num_layers):
+            with self.block(index):
+                hidden = [self.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
+        return hidden
 
     @torch.inference_mode()
     def run_from(self, start: int, hidden: torch.Tensor, pack: Pack) -> torch.Tensor:

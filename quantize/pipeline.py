@@ -20,19 +20,27 @@ import torch
 from torch import nn
 
 from quantize import algorithms as A
-from quantize.artifact import save_artifact
-from quantize.blockwise import quantize_layers
+from quantize.artifact import (
+    DEFAULT_SHARD_BYTES,
+    ArtifactWriter,
+    _complete_config,
+    artifact_writer,
+    finish_artifact,
+)
+from quantize.blockwise import quantize_blockwise
 from quantize.calibdata import CalibrationData
 from quantize.errors import QpackError
 from quantize.fileio import check_output_dir
+from quantize.layerwise import LayerwiseModel
 from quantize.models import ModelSource, load_model, resolve_model, weights_sha256
 from quantize.plan import EMBEDDING_NAMES, Plan, PlanRules, is_decoder_linear
 from quantize.planner import Option, solve
 from quantize.progress import NULL_PROGRESS, Progress
-from quantize.quality import compare_to_reference, eval_packs, reference_hidden
+from quantize.quality import compare_hidden, eval_packs
 from quantize.schemes import Int4, Int8, Scheme, parse_scheme
 from quantize.sensitivity import METHODS, SensitivityConfig, SensitivityTable, measure_sensitivity
-from quantize.surgery import QuantizedWeight, install, kept_module_names, linear_shapes
+from quantize.streamed import StreamedModel
+from quantize.surgery import kept_module_names, linear_shapes
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,7 @@ class QuantizeConfig:
     export: str | None = None
     overwrite: bool = False
     seed: int = 0
+    max_shard_size: int = DEFAULT_SHARD_BYTES
 
     def validate(self) -> None:
         problems: list[str] = []
@@ -134,7 +143,6 @@ class QuantizeResult:
     plan: Plan
     seconds: float
     warnings: list[str]
-    model: nn.Module | None = None
 
 
 def _candidates(config: QuantizeConfig) -> list[Scheme]:
@@ -165,6 +173,7 @@ def build_plan(
     weights_sha: str,
     progress: Progress,
     warnings: list[str],
+    load: Callable[[], nn.Module] | None = None,
 ) -> tuple[Plan, SensitivityTable | None, list[Scheme], dict[str, Any]]:
     """The plan, resolved before any weight changes: overrides first, then the preset's candidates for the
     layers left free, uniformly or (under a size or KL budget) by measured sensitivity and the exact knapsack.
@@ -187,7 +196,14 @@ def build_plan(
             target_bits = _reachable_target(config, plan, per_layer, target_bits, warnings)
             info["target_bits"] = target_bits
         table, info["sensitivity_cache_hits"] = measure_sensitivity(
-            model, per_layer, calibration.heldout, config.sensitivity, weights_sha, calibration.path, progress
+            model,
+            per_layer,
+            calibration.heldout,
+            config.sensitivity,
+            weights_sha,
+            calibration.path,
+            progress,
+            load,
         )
         _solve_budget(config, plan, per_layer, table, target_bits, info)
     for fqn, scheme in plan.schemes.items():
@@ -340,13 +356,18 @@ def _check_calibration_matches(source: ModelSource, calibration: CalibrationData
 
 @dataclass
 class _Inputs:
-    """Everything a quantize run reads, checked: options, output path, calibration, model."""
+    """Everything a quantize run reads, checked: options, output path, calibration, the model (streamed: its
+    decoder blocks are read from the checkpoint one at a time)."""
 
     output: Path
     calibration: CalibrationData
     source: ModelSource
     weights_sha: str
-    model: nn.Module
+    streamed: StreamedModel
+
+    @property
+    def model(self) -> nn.Module:
+        return self.streamed.model
 
 
 def _load_inputs(config: QuantizeConfig, progress: Progress, timings: dict[str, float]) -> _Inputs:
@@ -359,40 +380,41 @@ def _load_inputs(config: QuantizeConfig, progress: Progress, timings: dict[str, 
     _check_calibration_matches(source, calibration, weights_sha)
     torch.manual_seed(config.seed)
     phase = time.perf_counter()
-    model = load_model(source)
+    streamed = StreamedModel(source.path)
     timings["load"] = time.perf_counter() - phase
-    return _Inputs(output, calibration, source, weights_sha, model)
+    return _Inputs(output, calibration, source, weights_sha, streamed)
 
 
 def _quantize_and_measure(
-    inputs: _Inputs, plan: Plan, config: QuantizeConfig, progress: Progress, timings: dict[str, float]
-) -> tuple[dict[str, QuantizedWeight], dict[str, Any]]:
-    """Quantize the planned linears, install them, and measure the result against the FP32 model's held-out
-    hidden states (taken before any weight changed)."""
-    model = inputs.model
+    inputs: _Inputs,
+    plan: Plan,
+    config: QuantizeConfig,
+    writer: ArtifactWriter,
+    progress: Progress,
+    timings: dict[str, float],
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """One pass over the blocks: quantize and write each, carrying held-out tokens through the FP32 and the
+    quantized block; then KL, top-1 and perplexities of the two."""
     phase = time.perf_counter()
     packs = eval_packs(inputs.calibration, config.eval_tokens, config.seed)
-    reference = reference_hidden(model, packs)
-    reference_head = model.lm_head
-    if plan.schemes.get("lm_head") is not None:
-        reference_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
-        reference_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
-    records = quantize_layers(model, plan, inputs.calibration, config, progress)
+    lw = LayerwiseModel(inputs.streamed)
+    result = quantize_blockwise(lw, plan, inputs.calibration, config, writer, packs, progress)
+    lw.forget_rope()
     timings["quantize"] = time.perf_counter() - phase
-    for fqn, record in records.items():
-        install(model, fqn, record)
     phase = time.perf_counter()
     with progress.task("Measuring the artifact against FP32 on held-out tokens"):
-        quality = compare_to_reference(model, packs, reference, reference_head)
+        quality = compare_hidden(
+            packs, result.reference, result.candidate, result.reference_head, result.candidate_head
+        )
     timings["evaluate"] = time.perf_counter() - phase
-    return records, quality
+    return result.info, quality
 
 
 def _manifest(
     config: QuantizeConfig,
     inputs: _Inputs,
     info: dict[str, Any],
-    records: dict[str, QuantizedWeight],
+    module_info: dict[str, dict[str, Any]],
     table: SensitivityTable | None,
     quality: dict[str, Any],
     timings: dict[str, float],
@@ -429,7 +451,7 @@ def _manifest(
             "gptq": dataclasses.asdict(config.gptq),
             "awq": dataclasses.asdict(config.awq),
             "calib_tokens": config.calib_tokens,
-            "module_info": {fqn: r.info for fqn, r in records.items() if r.info},
+            "module_info": module_info,
             "warnings": warnings,
         },
         "sensitivity": None
@@ -456,26 +478,31 @@ def quantize_model(
     inputs = _load_inputs(config, progress, timings)
     phase = time.perf_counter()
     plan, table, candidates, info = build_plan(
-        config, inputs.model, inputs.calibration, inputs.weights_sha, progress, warnings
+        config,
+        inputs.model,
+        inputs.calibration,
+        inputs.weights_sha,
+        progress,
+        warnings,
+        lambda: load_model(inputs.source),
     )
     timings["plan"] = time.perf_counter() - phase
     info["summary"] = plan.summary(kept_module_names(inputs.model))
     if on_plan is not None:
         on_plan(plan, info)
-    records, quality = _quantize_and_measure(inputs, plan, config, progress, timings)
-    quality["predicted_kl"] = info.get("predicted_kl")
-    heatmap = heatmap_png(plan, table, candidates) if table is not None else heatmap_png(plan, None, [])
-    phase = time.perf_counter()
-    manifest = save_artifact(
-        inputs.output,
-        model=inputs.model,
-        plan=plan,
-        records=records,
-        source_dir=inputs.source.path,
-        manifest=_manifest(config, inputs, info, records, table, quality, timings, warnings),
-        heatmap=heatmap,
-        overwrite=config.overwrite,
-    )
+    with artifact_writer(inputs.output, config.overwrite, config.max_shard_size) as writer:
+        module_info, quality = _quantize_and_measure(inputs, plan, config, writer, progress, timings)
+        quality["predicted_kl"] = info.get("predicted_kl")
+        heatmap = heatmap_png(plan, table, candidates) if table is not None else heatmap_png(plan, None, [])
+        phase = time.perf_counter()
+        manifest = finish_artifact(
+            writer,
+            config=_complete_config(inputs.model),
+            plan=plan,
+            source_dir=inputs.source.path,
+            manifest=_manifest(config, inputs, info, module_info, table, quality, timings, warnings),
+            heatmap=heatmap,
+        )
     timings["save"] = time.perf_counter() - phase
     if config.export == "compressed-tensors":
         from quantize.export import export_compressed_tensors
@@ -484,6 +511,4 @@ def quantize_model(
         manifest["export"] = export_compressed_tensors(
             output, output.parent / f"{output.name}-compressed-tensors", config.overwrite
         )
-    return QuantizeResult(
-        inputs.output, manifest, plan, time.perf_counter() - started, warnings, inputs.model
-    )
+    return QuantizeResult(inputs.output, manifest, plan, time.perf_counter() - started, warnings)

@@ -24,9 +24,11 @@ def eval_packs(calibration: CalibrationData, tokens: int, seed: int) -> list[Pac
 
 @torch.inference_mode()
 def reference_hidden(model: nn.Module, packs: list[Pack]) -> list[torch.Tensor]:
-    """Final hidden states [tokens, hidden] of `model` on each pack (the reference side of `compare`)."""
+    """Final normed hidden states [tokens, hidden] of `model` on each pack, block by block (each block loaded
+    once for all packs when the model is streamed)."""
     lw = LayerwiseModel(model)
-    out = [lw.final_hidden(p)[0] for p in packs]
+    hidden = lw.run_blocks([lw.embed(p) for p in packs], packs)
+    out = [lw.norm(h)[0] for h in hidden]
     lw.forget_rope()
     return out
 
@@ -39,19 +41,31 @@ def compare_to_reference(
     reference_head: nn.Module,
     chunk: int = 128,
 ) -> dict[str, float]:
-    """KL, top-1 agreement and perplexities of `model` against FP32 final hidden states on held-out packs.
+    """KL, top-1 agreement and perplexities of `model` against FP32 final hidden states on held-out packs."""
+    candidate = reference_hidden(model, packs)
+    return compare_hidden(packs, reference, candidate, reference_head, LayerwiseModel(model).lm_head, chunk)
+
+
+@torch.inference_mode()
+def compare_hidden(
+    packs: list[Pack],
+    reference: list[torch.Tensor],
+    candidate: list[torch.Tensor],
+    reference_head: nn.Module,
+    candidate_head: nn.Module,
+    chunk: int = 128,
+) -> dict[str, float]:
+    """KL, top-1 agreement and perplexities from the two models' final normed hidden states on held-out packs.
 
     Logits are formed `chunk` positions at a time (a 49k vocabulary at 512 positions is 100 MB per copy).
     """
-    lw = LayerwiseModel(model)
     kl, top1, nll_ref, nll_q = [], [], [], []
-    for pack, ref in zip(packs, reference, strict=True):
-        candidate = lw.final_hidden(pack)[0]
+    for pack, ref, cand in zip(packs, reference, candidate, strict=True):
         targets = next_token_targets(pack)
         for part in range(0, pack.num_tokens, chunk):
             rows = slice(part, min(part + chunk, pack.num_tokens))
             ref_logp = torch.log_softmax(reference_head(ref[rows]).float(), -1)
-            cand_logp = torch.log_softmax(lw.lm_head(candidate[rows]).float(), -1)
+            cand_logp = torch.log_softmax(candidate_head(cand[rows]).float(), -1)
             kl.append((ref_logp.exp() * (ref_logp - cand_logp)).sum(-1).clamp_min(0))
             top1.append(ref_logp.argmax(-1) == cand_logp.argmax(-1))
             t = targets[rows]
@@ -60,7 +74,6 @@ def compare_to_reference(
             nll_ref.append(-ref_logp.gather(1, idx)[:, 0][valid])
             nll_q.append(-cand_logp.gather(1, idx)[:, 0][valid])
             del ref_logp, cand_logp
-    lw.forget_rope()
     kl_all, nll_r, nll_c = torch.cat(kl), torch.cat(nll_ref), torch.cat(nll_q)
     return {
         "tokens": int(kl_all.numel()),

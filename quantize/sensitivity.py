@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,8 +243,11 @@ def measure_sensitivity(
     weights_sha256: str,
     calibration_dir: Path | None = None,
     progress: Progress = NULL_PROGRESS,
+    load: Callable[[], nn.Module] | None = None,
 ) -> tuple[SensitivityTable, int]:
-    """Sensitivity of every (layer, scheme) in `candidates`; returns the table and the number of cache hits."""
+    """Sensitivity of every (layer, scheme) in `candidates`; returns the table and the number of cache hits.
+    `model` gives the layer shapes (its weights may be on `meta`); `load` returns the model with its weights
+    when something must be measured (default: `model` itself)."""
     if config.method not in METHODS:
         raise QpackError(f"--sensitivity must be one of {', '.join(METHODS)} (got {config.method!r})")
     if not heldout:
@@ -272,6 +276,6 @@ def measure_sensitivity(
             config.pack_tokens,
             share_prefix=True,
         )
-        _measure(model, todo, measure, packs, table, progress)
+        _measure(load() if load is not None else model, todo, measure, packs, table, progress)
         _save_cache(calibration_dir, key, table)
     return table, hits

@@ -147,16 +147,29 @@ def read_safetensors(path: str | os.PathLike[str], what: str, fix: str) -> dict[
     tensors: dict[str, torch.Tensor] = {}
     with _reported(path, what, fix), open(path, "rb") as handle:
         entries, start = _header(handle, path.stat().st_size)
-        for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda item: item[1][2]):
-            tensor = torch.empty(shape, dtype=dtype)
-            if end > begin:
-                handle.seek(start + begin)
-                view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
-                done = 0
-                while done < end - begin:
-                    got = handle.readinto(view[done:])
-                    if not got:
-                        raise ValueError(f"the file ends inside tensor {name}")
-                    done += got
-            tensors[name] = tensor
+        for name, entry in sorted(entries.items(), key=lambda item: item[1][2]):
+            tensors[name] = read_entry(handle, start, name, entry)
     return tensors
+
+
+def index_safetensors(path: str | os.PathLike[str], what: str, fix: str) -> tuple[dict[str, Entry], int]:
+    """The validated entries of a safetensors file and where its data section starts (no data read)."""
+    path = Path(path)
+    with _reported(path, what, fix), open(path, "rb") as handle:
+        return _header(handle, path.stat().st_size)
+
+
+def read_entry(handle: BinaryIO, start: int, name: str, entry: Entry) -> torch.Tensor:
+    """One tensor of an open safetensors file, read into a fresh aligned allocation in its stored dtype."""
+    dtype, shape, begin, end = entry
+    tensor = torch.empty(shape, dtype=dtype)
+    if end > begin:
+        handle.seek(start + begin)
+        view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < end - begin:
+            got = handle.readinto(view[done:])
+            if not got:
+                raise ValueError(f"the file ends inside tensor {name}")
+            done += got
+    return tensor

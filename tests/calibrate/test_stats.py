@@ -1,65 +1,34 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from calibrate.stats import ActivationStatsCollector, collect_stats, length_batches, pad_batch
-
-
-class Toy(nn.Module):
-    """embed → (q, k share an input) → out, like a decoder's fan-out; padding must not count."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(10, 3)
-        self.q = nn.Linear(3, 2)
-        self.k = nn.Linear(3, 2)
-        self.out = nn.Linear(2, 4)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        h = self.embed(input_ids)
-        return self.out(self.q(h) + self.k(h))
+from calibrate.stats import collect_stats
+from quantize.models import load_model, resolve_model
+from quantize.streamed import StreamedModel
 
 
-def test_stats_match_hand_computation_and_ignore_padding() -> None:
-    torch.manual_seed(0)
-    model = Toy()
-    sequences = [[1, 2, 3], [4, 5], [6]]
-    collector = ActivationStatsCollector(model)
-    input_ids, mask = pad_batch(sequences, pad_id=9)
-    with torch.no_grad():
-        model.embed.weight[9] = 100.0  # a padding row that would dominate abs-max if counted
-    collector.collect(input_ids, mask)
-    stats = collector.results()
-    collector.close()
-
-    tokens = torch.tensor([t for s in sequences for t in s])
-    h = model.embed.weight.detach()[tokens]  # [6, 3]
-    for name in ("q", "k"):
-        assert stats[name].num_tokens == 6
-        torch.testing.assert_close(stats[name].abs_max, h.abs().amax(0))
-        torch.testing.assert_close(stats[name].mean_sq, (h**2).mean(0))
-    qk = model.q(h) + model.k(h)
-    torch.testing.assert_close(stats["out"].abs_max, qk.detach().abs().amax(0))
-    torch.testing.assert_close(stats["out"].mean_sq, (qk.detach() ** 2).mean(0))
-    assert not model.q._forward_pre_hooks
-
-
-def test_batches_are_accumulated_exactly() -> None:
-    torch.manual_seed(1)
-    model = Toy()
-    sequences = [[1, 2, 3, 4], [5], [6, 7], [8, 1, 2]]
-    whole = collect_stats(model, sequences, pad_id=0, token_budget=1000)
-    split = collect_stats(model, sequences, pad_id=0, token_budget=4)
-    for name in whole:
-        torch.testing.assert_close(whole[name].mean_sq, split[name].mean_sq)
-        torch.testing.assert_close(whole[name].abs_max, split[name].abs_max)
-        assert whole[name].num_tokens == split[name].num_tokens == 10
-
-
-def test_length_batches_respect_budget() -> None:
-    lengths = [5, 100, 30, 30, 7, 64]
-    batches = list(length_batches(lengths, token_budget=100))
-    assert sorted(i for b in batches for i in b) == list(range(6))
-    for batch in batches:
-        assert max(lengths[i] for i in batch) * len(batch) <= 100 or len(batch) == 1
+def test_blockwise_stats_match_a_per_sequence_forward(tiny_llama) -> None:
+    """An independent answer: hooks on the whole Hugging Face model, each sequence on its own (no packing), and
+    the same numbers from the streamed model read block by block with sequences packed."""
+    sequences = [[1, 20, 30, 40, 50], [1, 7, 8], [1, 9, 10, 11, 12, 13, 14], [1, 60]]
+    model = load_model(resolve_model(str(tiny_llama)))
+    inputs: dict[str, list[torch.Tensor]] = {}
+    handles = [
+        module.register_forward_pre_hook(lambda _m, args, n=name: inputs.setdefault(n, []).append(args[0][0]))
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name != "lm_head"
+    ]
+    with torch.inference_mode():
+        finals = [model.model(input_ids=torch.tensor([s])).last_hidden_state[0] for s in sequences]
+    for handle in handles:
+        handle.remove()
+    inputs["lm_head"] = finals
+    streamed = StreamedModel(tiny_llama)
+    for budget in (1000, 8):  # one row, and one sequence per row
+        stats = collect_stats(streamed, sequences, token_budget=budget)
+        assert set(stats) == set(inputs) and streamed.peak_blocks == 1
+        for name, xs in inputs.items():
+            x = torch.cat(xs)
+            assert stats[name].num_tokens == sum(len(s) for s in sequences) == x.shape[0]
+            torch.testing.assert_close(stats[name].abs_max, x.abs().amax(0), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(stats[name].mean_sq, (x**2).mean(0), rtol=1e-4, atol=1e-6)

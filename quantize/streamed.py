@@ -1,0 +1,147 @@
+"""A Hugging Face causal LM whose decoder blocks stay on disk until a pass needs them.
+
+Every pass qpack makes over a model (activation statistics, GPTQ/AWQ/SmoothQuant, sensitivity, held-out
+quality) walks the decoder blocks in order and needs one block's weights at a time. So instead of loading the
+model (an 8B model is 32 GB in FP32 before anything runs), the module tree is built on the `meta` device from
+config.json, the parts every pass needs (embeddings, final norm, LM head: FP32 by the product's rule) are read
+once, and `block(i)` reads block i from the checkpoint's shards, upcast to FP32 only while it is in use, and
+drops it after. Peak memory is then embeddings + head + the blocks in use (two at most in any qpack pass) + the
+pass's activations, independent of depth. `peak_blocks` counts what was materialized at once, so tests can
+assert the bound by counting rather than timing.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantize.checkpoint import Checkpoint
+from quantize.errors import QpackError
+
+_BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class StreamedModel:
+    """`model`: the full module tree, blocks on `meta` until `block(i)` materializes them."""
+
+    def __init__(self, folder: Path, device: str | torch.device = "cpu") -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from quantize.models import _quiet_transformers
+
+        _quiet_transformers()
+        self.folder = Path(folder)
+        self.device = torch.device(device)
+        self.checkpoint = Checkpoint(self.folder, "weights file", "re-download or re-convert the model")
+        config = AutoConfig.from_pretrained(str(self.folder))
+        with torch.device("meta"):
+            self.model: nn.Module = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        self.model.eval()
+        self.layers: nn.ModuleList = self.model.model.layers  # type: ignore[union-attr]
+        self._templates = [copy.deepcopy(layer) for layer in self.layers]
+        self._users = [0] * len(self.layers)
+        self.peak_blocks = 0
+        self.loads = 0
+        self._check_names()
+        self._load_resident()
+
+    @property
+    def config(self) -> Any:
+        return self.model.config  # type: ignore[union-attr]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def materialized(self) -> int:
+        return sum(1 for users in self._users if users)
+
+    def _tied(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def _check_names(self) -> None:
+        """Strict: the checkpoint holds exactly the tensors the architecture has (a tied head stored once)."""
+        expected = set(self.model.state_dict())
+        if self._tied():
+            expected.discard("lm_head.weight")
+        present = set(self.checkpoint.refs)
+        ignored = [
+            re.compile(p) for p in getattr(self.model, "_keys_to_ignore_on_load_unexpected", None) or ()
+        ]
+        unexpected = sorted(n for n in present - expected if not any(p.search(n) for p in ignored))
+        missing = sorted(expected - present)
+        problems = [
+            f"{len(names)} tensors {label} (e.g. {', '.join(names[:3])})"
+            for names, label in (
+                (missing, "missing from the weights"),
+                (unexpected, "not part of the architecture"),
+            )
+            if names
+        ]
+        if problems:
+            raise QpackError(
+                f"model folder {self.folder} does not match its config.json: {'; '.join(problems)}; re-download or "
+                "re-convert the model"
+            )
+
+    def _load_resident(self) -> None:
+        """Everything outside the decoder blocks, in FP32: embeddings, final norm, head, rotary tables."""
+        names = [n for n in self.checkpoint.refs if not _BLOCK.match(n)]
+        for name in names:
+            self._assign(self.model, name, self.checkpoint.read(name, torch.float32))
+        base = self.model.model  # type: ignore[union-attr]
+        if self._tied():
+            self.model.lm_head.weight = base.embed_tokens.weight  # type: ignore[union-attr]
+        base.rotary_emb = type(base.rotary_emb)(config=self.config).to(self.device)
+
+    def _assign(self, root: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = root.get_submodule(owner_name) if owner_name else root
+        tensor = tensor.to(self.device)
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        else:
+            owner._buffers[leaf] = tensor
+
+    def block_bytes(self, index: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes block `index` takes materialized in `dtype`."""
+        element = torch.empty(0, dtype=dtype).element_size()
+        return sum(p.numel() * element for p in self._templates[index].parameters())
+
+    @contextmanager
+    def block(self, index: int) -> Iterator[nn.Module]:
+        """Block `index` with real FP32 weights for the duration; nested uses share one copy."""
+        if self._users[index] == 0:
+            self._materialize(index)
+        self._users[index] += 1
+        try:
+            yield self.layers[index]
+        finally:
+            self._users[index] -= 1
+            if self._users[index] == 0:
+                self.layers[index] = copy.deepcopy(self._templates[index])
+
+    def _materialize(self, index: int) -> None:
+        layer = copy.deepcopy(self._templates[index])
+        prefix = f"model.layers.{index}."
+        for name in self.checkpoint.names(prefix):
+            self._assign(layer, name[len(prefix) :], self.checkpoint.read(name, torch.float32))
+        self.layers[index] = layer
+        self.loads += 1
+        self.peak_blocks = max(self.peak_blocks, self.materialized + 1)
+
+    def fp32_tensors(self, index: int) -> dict[str, torch.Tensor]:
+        """The FP tensors of a materialized block as an artifact stores them (full names)."""
+        prefix = f"model.layers.{index}."
+        return {
+            prefix + n: t.detach().to(torch.float32).contiguous()
+            for n, t in self.layers[index].state_dict().items()
+        }
