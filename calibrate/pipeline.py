@@ -44,7 +44,7 @@ from quantize.models import (
     weights_sha256,
 )
 from quantize.progress import NULL_PROGRESS, Progress
-from quantize.streamed import StreamedModel
+from quantize.streamed import StreamedModel, check_memory
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ class CalibrationConfig:
     reference: tuple[str, ...] = ()
     coverage: CoverageThresholds = dataclasses.field(default_factory=CoverageThresholds)
     keep_text: bool = False
+    max_memory: int | None = None  # bytes; None: from free RAM
     overwrite: bool = False
     token_budget: int = 4096
 
@@ -190,6 +191,7 @@ def run_calibration(config: CalibrationConfig, progress: Progress = NULL_PROGRES
 
     phase = time.perf_counter()
     streamed = StreamedModel(source.path)
+    check_memory(streamed, sum(len(s) for s in selection.train_ids), config.max_memory)
     stats = collect_stats(streamed, selection.train_ids, config.token_budget, progress)
     del streamed
     timings["activation_stats"] = time.perf_counter() - phase

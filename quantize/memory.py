@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import re
 import sys
 
 _M_TRIM_THRESHOLD = -1
@@ -61,3 +62,52 @@ def trim_heap() -> bool:
         return bool(libc.malloc_trim(0))
     except AttributeError:
         return False
+
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "kib": 2**10,
+    "m": 1e6,
+    "mb": 1e6,
+    "mib": 2**20,
+    "g": 1e9,
+    "gb": 1e9,
+    "gib": 2**30,
+    "t": 1e12,
+    "tb": 1e12,
+    "tib": 2**40,
+}
+
+
+def parse_size(value: str | float | int, option: str, fraction_of: int | None = None) -> int:
+    """Bytes from '512MB', '2GiB', '8G', 1e9; with `fraction_of`, '0.25' is that share of it. A bad value is a
+    ValueError naming `option`."""
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match is None:
+            raise ValueError(f"{option} {value!r} is not a size (e.g. 512MB, 8GB, 2GiB) or a fraction (0.25)")
+        number, unit = float(match.group(1)), (match.group(2) or "").lower()
+        if unit not in _UNITS:
+            raise ValueError(f"{option} unit {unit!r} unknown; use MB, GB, MiB or GiB")
+        value = number if unit == "" and number <= 1 else number * _UNITS[unit]
+    if fraction_of is not None and 0 < float(value) <= 1:
+        return int(float(value) * fraction_of)
+    return int(value)
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation now (psutil's `available`; /proc/meminfo without it)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        return 8 * 2**30

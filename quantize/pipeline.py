@@ -10,6 +10,7 @@ write the artifact atomically.
 from __future__ import annotations
 
 import dataclasses
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from quantize.calibdata import CalibrationData
 from quantize.errors import QpackError
 from quantize.fileio import check_output_dir
 from quantize.layerwise import LayerwiseModel
+from quantize.memory import available_memory
 from quantize.models import ModelSource, load_model, resolve_model, weights_sha256
 from quantize.plan import EMBEDDING_NAMES, Plan, PlanRules, is_decoder_linear
 from quantize.planner import Option, solve
@@ -39,7 +41,7 @@ from quantize.progress import NULL_PROGRESS, Progress
 from quantize.quality import compare_hidden, eval_packs
 from quantize.schemes import Int4, Int8, Scheme, parse_scheme
 from quantize.sensitivity import METHODS, SensitivityConfig, SensitivityTable, measure_sensitivity
-from quantize.streamed import StreamedModel
+from quantize.streamed import StreamedModel, check_memory
 from quantize.surgery import kept_module_names, linear_shapes
 
 
@@ -91,6 +93,7 @@ class QuantizeConfig:
     overwrite: bool = False
     seed: int = 0
     max_shard_size: int = DEFAULT_SHARD_BYTES
+    max_memory: int | None = None  # bytes; None: from free RAM
 
     def validate(self) -> None:
         problems: list[str] = []
@@ -112,6 +115,10 @@ class QuantizeConfig:
             problems.append(
                 f"--sensitivity must be one of {', '.join(METHODS)} (got {self.sensitivity.method!r})"
             )
+        if self.max_shard_size < 2**20:
+            problems.append(f"--max-shard-size must be at least 1 MiB (got {self.max_shard_size} bytes)")
+        if self.max_memory is not None and self.max_memory < 2**26:
+            problems.append(f"--max-memory must be at least 64 MiB (got {self.max_memory} bytes)")
         if self.sensitivity.num_tokens < 16:
             problems.append("--sensitivity-tokens must be at least 16")
         if self.calib_tokens < 16:
@@ -174,6 +181,7 @@ def build_plan(
     progress: Progress,
     warnings: list[str],
     load: Callable[[], nn.Module] | None = None,
+    streamed: StreamedModel | None = None,
 ) -> tuple[Plan, SensitivityTable | None, list[Scheme], dict[str, Any]]:
     """The plan, resolved before any weight changes: overrides first, then the preset's candidates for the
     layers left free, uniformly or (under a size or KL budget) by measured sensitivity and the exact knapsack.
@@ -195,7 +203,7 @@ def build_plan(
             assert target_bits is not None
             target_bits = _reachable_target(config, plan, per_layer, target_bits, warnings)
             info["target_bits"] = target_bits
-        table, info["sensitivity_cache_hits"] = measure_sensitivity(
+        table, info["sensitivity_cache_hits"], info["sensitivity"] = measure_sensitivity(
             model,
             per_layer,
             calibration.heldout,
@@ -204,6 +212,8 @@ def build_plan(
             calibration.path,
             progress,
             load,
+            streamed,
+            config.max_memory if config.max_memory is not None else int(0.9 * available_memory()),
         )
         _solve_budget(config, plan, per_layer, table, target_bits, info)
     for fqn, scheme in plan.schemes.items():
@@ -381,6 +391,7 @@ def _load_inputs(config: QuantizeConfig, progress: Progress, timings: dict[str, 
     torch.manual_seed(config.seed)
     phase = time.perf_counter()
     streamed = StreamedModel(source.path)
+    check_memory(streamed, config.calib_tokens + 2 * config.eval_tokens, config.max_memory)
     timings["load"] = time.perf_counter() - phase
     return _Inputs(output, calibration, source, weights_sha, streamed)
 
@@ -459,6 +470,11 @@ def _manifest(
         else {"method": table.method, "tokens": table.num_tokens, "rows": table.rows()},
         "quality": quality,
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        "memory": {
+            "peak_blocks_materialized": inputs.streamed.peak_blocks,
+            "block_loads": inputs.streamed.loads,
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        },
         "evals": {},
     }
 
@@ -485,6 +501,7 @@ def quantize_model(
         progress,
         warnings,
         lambda: load_model(inputs.source),
+        inputs.streamed,
     )
     timings["plan"] = time.perf_counter() - phase
     info["summary"] = plan.summary(kept_module_names(inputs.model))

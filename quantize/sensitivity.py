@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from quantize.handlers import handler_for
 from quantize.layerwise import (
     LayerwiseModel,
     Pack,
+    ReferenceLogits,
     input_hessians,
     kl_to_reference,
     make_packs,
@@ -53,7 +55,10 @@ from quantize.progress import NULL_PROGRESS, Progress
 from quantize.schemes import Scheme
 from quantize.surgery import get_module, set_module
 
-METHODS = ("kl", "kl-all", "mse")
+METHODS = ("auto", "kl", "kl-all", "fisher", "mse")
+
+
+FISHER_SLOT = "fisher"
 
 
 def scheme_key(scheme: Scheme) -> str:
@@ -62,10 +67,15 @@ def scheme_key(scheme: Scheme) -> str:
 
 @dataclass(frozen=True)
 class SensitivityConfig:
-    method: str = "kl"
+    # auto: exact KL (`kl`) where its estimated time fits `budget_minutes` and the whole model fits memory,
+    # else the Fisher estimate (`fisher`, quantize/fisher.py) scaled by exact KL on `calibration_layers` layers
+    method: str = "auto"
     num_tokens: int = 256
     seed: int = 0
     pack_tokens: int = 512
+    budget_minutes: float = 10.0
+    fisher_samples: int = 4
+    calibration_layers: int = 4
 
     def cache_key(self, weights_sha256: str) -> str:
         return f"tokens={self.num_tokens}:seed={self.seed}:weights={weights_sha256}"
@@ -82,16 +92,39 @@ class SensitivityTable:
     def entry(self, fqn: str, scheme: Scheme) -> dict[str, float | None] | None:
         return self.entries.get(fqn, {}).get(scheme_key(scheme))
 
-    def record(self, fqn: str, scheme: Scheme, *, kl: float | None = None, mse: float | None = None) -> None:
+    def record(
+        self,
+        fqn: str,
+        scheme: Scheme,
+        *,
+        kl: float | None = None,
+        mse: float | None = None,
+        fisher: float | None = None,
+    ) -> None:
         slot = self.entries.setdefault(fqn, {}).setdefault(scheme_key(scheme), {"kl": None, "mse": None})
-        if kl is not None:
-            slot["kl"] = float(kl)
-        if mse is not None:
-            slot["mse"] = float(mse)
+        for name, value in (("kl", kl), ("mse", mse), (FISHER_SLOT, fisher)):
+            if value is not None:
+                slot[name] = float(value)
+
+    def fisher_scale(self) -> float:
+        """Median of exact KL / Fisher estimate over the pairs measured both ways (1 without any), within
+        [0.1, 10]: the second-order estimate already has KL's units, so this corrects only its bias."""
+        ratios = sorted(
+            float(v["kl"]) / float(v[FISHER_SLOT])  # type: ignore[arg-type]
+            for by in self.entries.values()
+            for v in by.values()
+            if v.get("kl") is not None and v.get(FISHER_SLOT)
+        )
+        return min(10.0, max(0.1, ratios[len(ratios) // 2])) if ratios else 1.0
 
     def value(self, fqn: str, scheme: Scheme) -> tuple[float, str]:
-        """(predicted KL, "measured" | "derived") or, for method mse, (relative output error, "mse")."""
+        """(predicted KL, "measured" | "derived" | "fisher") or, for method mse, (relative error, "mse")."""
         slot = self.entry(fqn, scheme)
+        if self.method == "fisher" and slot is not None:
+            if slot.get("kl") is not None:
+                return float(slot["kl"]), "measured"  # type: ignore[arg-type]
+            if slot.get(FISHER_SLOT) is not None:
+                return self.fisher_scale() * float(slot[FISHER_SLOT]), "fisher"  # type: ignore[arg-type]
         if slot is None or slot.get("mse") is None:
             raise KeyError((fqn, scheme_key(scheme)))
         mse = float(slot["mse"])  # type: ignore[arg-type]
@@ -139,7 +172,7 @@ def _runtime(scheme: Scheme, linear: nn.Linear) -> nn.Module:
 
 
 def _measure(
-    model: nn.Module,
+    lw: LayerwiseModel,
     todo: dict[str, list[Scheme]],
     measure: dict[str, list[Scheme]],
     packs: list[Pack],
@@ -147,64 +180,93 @@ def _measure(
     progress: Progress,
 ) -> None:
     """Output error for every candidate in `todo`, exact KL for those in `measure`, block by block."""
-    lw = LayerwiseModel(model)
     head = lw.lm_head
     blocks = sorted({block_index(f) for f in todo})
     block_inputs: dict[int, list[torch.Tensor]] = defaultdict(list)
-    reference = []
-    with progress.task("Sensitivity: FP32 reference pass", total=len(packs)) as task:
-        for pack in packs:
-            hidden = lw.embed(pack)
-            for index in range(lw.num_layers):
-                if index in blocks:
-                    block_inputs[index].append(hidden)
-                hidden = lw.run_block(index, hidden, pack)
-            reference.append(reference_logits(head, lw.norm(hidden)[0]))
+    with (
+        progress.task("Sensitivity: FP32 reference pass", total=lw.num_layers) as task,
+        torch.inference_mode(),
+    ):
+        hidden = [lw.embed(p) for p in packs]
+        for index in range(lw.num_layers):
+            if index in blocks:
+                block_inputs[index] = hidden
+            with lw.block(index):
+                hidden = [lw.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
             task.advance()
+        reference = [reference_logits(head, lw.norm(h)[0]) for h in hidden]
     num_measured = sum(len(v) for v in measure.values())
     with progress.task(
         f"Sensitivity: {num_measured} exact KL + {sum(len(v) for v in todo.values())} output errors",
         total=len(blocks),
     ) as task:
         for index in blocks:
-            fqns = [f for f in todo if block_index(f) == index]
-            hessians = input_hessians(
-                lw, index, {f: get_module(model, f) for f in fqns}, block_inputs[index], packs
-            )
-            for fqn in fqns:
-                weight = get_module(model, fqn).weight.detach().to(torch.float32)  # type: ignore[union-attr]
-                signal = max(float(output_error(weight, hessians[fqn])), 1e-30)
-                for scheme in todo[fqn]:
-                    error = float(output_error(fake_quant(scheme, weight) - weight, hessians[fqn]))
-                    table.record(fqn, scheme, mse=error / signal)
-            del hessians
-            candidates = [(f, s) for f in fqns for s in measure.get(f, [])]
-            if candidates:
-                modules = []
-                for fqn, scheme in candidates:
-                    original = get_module(model, fqn)
-                    assert isinstance(original, nn.Linear), fqn
-                    modules.append((fqn, original, _runtime(scheme, original)))
-                totals = [0.0] * len(candidates)
-                count = 0.0
-                for pack_index, pack in enumerate(packs):
-                    outputs = []
-                    for fqn, original, runtime in modules:
-                        set_module(model, fqn, runtime)
-                        try:
-                            outputs.append(lw.run_block(index, block_inputs[index][pack_index], pack))
-                        finally:
-                            set_module(model, fqn, original)
-                    normed = lw.run_from(index + 1, torch.cat(outputs, dim=0), pack)
-                    for row in range(len(candidates)):
-                        kl = kl_to_reference(head, reference[pack_index], normed[row])
-                        totals[row] += float((kl * pack.weights).sum())
-                    count += pack.represented_tokens
-                for (fqn, scheme), total in zip(candidates, totals, strict=True):
-                    table.record(fqn, scheme, kl=total / max(count, 1))
+            with lw.block(index):
+                _measure_block(lw, index, todo, measure, packs, block_inputs[index], reference, table)
             del block_inputs[index]
             task.advance()
     lw.forget_rope()
+
+
+def _measure_block(
+    lw: LayerwiseModel,
+    index: int,
+    todo: dict[str, list[Scheme]],
+    measure: dict[str, list[Scheme]],
+    packs: list[Pack],
+    inputs: list[torch.Tensor],
+    reference: list[ReferenceLogits],
+    table: SensitivityTable,
+) -> None:
+    """One block's candidates: output errors from its input Hessians, then exact KL of the measured ones."""
+    model = lw.model
+    fqns = [f for f in todo if block_index(f) == index]
+    hessians = input_hessians(lw, index, {f: get_module(model, f) for f in fqns}, inputs, packs)
+    for fqn in fqns:
+        weight = get_module(model, fqn).weight.detach().to(torch.float32)  # type: ignore[union-attr]
+        signal = max(float(output_error(weight, hessians[fqn])), 1e-30)
+        for scheme in todo[fqn]:
+            error = float(output_error(fake_quant(scheme, weight) - weight, hessians[fqn]))
+            table.record(fqn, scheme, mse=error / signal)
+    del hessians
+    candidates = [(f, s) for f in fqns for s in measure.get(f, [])]
+    if candidates:
+        _exact_kl(lw, index, candidates, packs, inputs, reference, table)
+
+
+def _exact_kl(
+    lw: LayerwiseModel,
+    index: int,
+    candidates: list[tuple[str, Scheme]],
+    packs: list[Pack],
+    inputs: list[torch.Tensor],
+    reference: list[ReferenceLogits],
+    table: SensitivityTable,
+) -> None:
+    """KL from FP32 with each candidate alone in place, re-running the tail (all candidates as one batch)."""
+    model, head = lw.model, lw.lm_head
+    modules = []
+    for fqn, scheme in candidates:
+        original = get_module(model, fqn)
+        assert isinstance(original, nn.Linear), fqn
+        modules.append((fqn, original, _runtime(scheme, original)))
+    totals = [0.0] * len(candidates)
+    count = 0.0
+    for pack_index, pack in enumerate(packs):
+        outputs = []
+        for fqn, original, runtime in modules:
+            set_module(model, fqn, runtime)
+            try:
+                outputs.append(lw.run_block(index, inputs[pack_index], pack))
+            finally:
+                set_module(model, fqn, original)
+        normed = lw.run_from(index + 1, torch.cat(outputs, dim=0), pack)
+        for row in range(len(candidates)):
+            kl = kl_to_reference(head, reference[pack_index], normed[row])
+            totals[row] += float((kl * pack.weights).sum())
+        count += pack.represented_tokens
+    for (fqn, scheme), total in zip(candidates, totals, strict=True):
+        table.record(fqn, scheme, kl=total / max(count, 1))
 
 
 def _cache_path(calibration_dir: Path | None) -> Path | None:
@@ -244,25 +306,60 @@ def measure_sensitivity(
     calibration_dir: Path | None = None,
     progress: Progress = NULL_PROGRESS,
     load: Callable[[], nn.Module] | None = None,
-) -> tuple[SensitivityTable, int]:
-    """Sensitivity of every (layer, scheme) in `candidates`; returns the table and the number of cache hits.
-    `model` gives the layer shapes (its weights may be on `meta`); `load` returns the model with its weights
-    when something must be measured (default: `model` itself)."""
+    streamed: nn.Module | Any | None = None,
+    max_memory: int | None = None,
+) -> tuple[SensitivityTable, int, dict[str, Any]]:
+    """Sensitivity of every (layer, scheme) in `candidates`; returns the table, the number of cache hits and
+    how the method was chosen. `model` gives the layer shapes (its weights may be on `meta`); `load` returns the
+    whole model with its weights (exact methods); `streamed` is what the Fisher pass walks block by block."""
     if config.method not in METHODS:
         raise QpackError(f"--sensitivity must be one of {', '.join(METHODS)} (got {config.method!r})")
     if not heldout:
         raise QpackError(
             "the calibration directory has no held-out tokens; re-run qpack calibrate with --heldout > 0"
         )
-    key = config.cache_key(weights_sha256)
-    table = SensitivityTable(config.method, config.num_tokens, _load_cache(calibration_dir, key))
+    choice = choose_method(model, candidates, config, max_memory)
+    method = choice["method"]
+    key = config.cache_key(weights_sha256) + (
+        f":fisher={config.fisher_samples}" if method == "fisher" else ""
+    )
+    table = SensitivityTable(method, config.num_tokens, _load_cache(calibration_dir, key))
+    todo, measure, hits = _missing(model, candidates, table, method, config)
+    if todo:
+        sample = sample_sequences(heldout, config.num_tokens, config.seed, truncate=True)
+        if method == "fisher":
+            lw = LayerwiseModel(streamed if streamed is not None else model)
+            _fisher(lw, todo, sample, config, table, progress)
+        else:
+            lw = LayerwiseModel(load() if load is not None else model)
+            _measure(
+                lw, todo, measure, make_packs(sample, config.pack_tokens, share_prefix=True), table, progress
+            )
+        _save_cache(calibration_dir, key, table)
+    return table, hits, choice
+
+
+def _missing(
+    model: nn.Module,
+    candidates: dict[str, list[Scheme]],
+    table: SensitivityTable,
+    method: str,
+    config: SensitivityConfig,
+) -> tuple[dict[str, list[Scheme]], dict[str, list[Scheme]], int]:
+    """(candidates to compute, those to measure exactly, cache hits) given what the cached table holds."""
     todo: dict[str, list[Scheme]] = {}
     measure: dict[str, list[Scheme]] = {}
     hits = 0
     for fqn, schemes in candidates.items():
         linear = get_module(model, fqn)
         in_features, out_features = int(linear.in_features), int(linear.out_features)
-        wanted = to_measure(schemes, in_features, out_features, config.method)
+        if method == "fisher":
+            missing = [s for s in schemes if (table.entry(fqn, s) or {}).get(FISHER_SLOT) is None]
+            hits += len(schemes) - len(missing)
+            if missing:
+                todo[fqn] = list(schemes)
+            continue
+        wanted = to_measure(schemes, in_features, out_features, method)
         missing_mse = [s for s in schemes if (table.entry(fqn, s) or {}).get("mse") is None]
         missing_kl = [s for s in wanted if (table.entry(fqn, s) or {}).get("kl") is None]
         hits += len(schemes) - len({scheme_key(s) for s in missing_mse + missing_kl})
@@ -270,12 +367,89 @@ def measure_sensitivity(
             todo[fqn] = list({scheme_key(s): s for s in [*schemes]}.values())
             if missing_kl:
                 measure[fqn] = missing_kl
-    if todo:
-        packs = make_packs(
-            sample_sequences(heldout, config.num_tokens, config.seed, truncate=True),
-            config.pack_tokens,
-            share_prefix=True,
+    return todo, measure, hits
+
+
+def _fisher(
+    lw: LayerwiseModel,
+    todo: dict[str, list[Scheme]],
+    sample: list[torch.Tensor],
+    config: SensitivityConfig,
+    table: SensitivityTable,
+    progress: Progress,
+) -> None:
+    """Fisher estimates for every candidate; exact KL for the most aggressive candidate of a few layers spread
+    over the depth, which sets the estimate's scale (`SensitivityTable.fisher_scale`)."""
+    from quantize.fisher import fisher_kl
+
+    packs = make_packs(sample, config.pack_tokens, share_prefix=False)
+    estimates = fisher_kl(lw, todo, packs, config.fisher_samples, config.seed, progress)
+    for fqn, values in estimates.items():
+        for scheme, value in zip(todo[fqn], values, strict=True):
+            table.record(fqn, scheme, fisher=value)
+    names = list(todo)
+    if config.calibration_layers <= 0 or not names:
+        return
+    step = max(1, len(names) // config.calibration_layers)
+    chosen = names[step // 2 :: step][: config.calibration_layers]
+    measure = {fqn: to_measure(todo[fqn], *_features(lw.model, fqn), "kl")[:1] for fqn in chosen}
+    _measure(
+        lw,
+        {f: todo[f] for f in chosen},
+        measure,
+        make_packs(sample, config.pack_tokens, share_prefix=True),
+        table,
+        progress,
+    )
+
+
+def _features(model: nn.Module, fqn: str) -> tuple[int, int]:
+    linear = get_module(model, fqn)
+    return int(linear.in_features), int(linear.out_features)
+
+
+def choose_method(
+    model: nn.Module, candidates: dict[str, list[Scheme]], config: SensitivityConfig, max_memory: int | None
+) -> dict[str, Any]:
+    """`auto`: exact KL where its estimated time fits the budget and the whole model fits memory in FP32, else
+    Fisher. The estimate: each measured candidate re-runs the blocks after its own on `num_tokens` tokens, at
+    2 FLOPs per weight per token, at the matrix-multiply rate measured here."""
+    if config.method != "auto":
+        return {"method": config.method, "reason": "asked for"}
+    blocks = len(model.model.layers)  # type: ignore[union-attr]
+    per_block = sum(
+        _features(model, n)[0] * _features(model, n)[1]
+        for n, m in model.named_modules()
+        if n.startswith("model.layers.0.") and isinstance(m, nn.Linear)
+    )
+    flops = 0.0
+    for fqn, schemes in candidates.items():
+        tail = blocks - block_index(fqn)
+        flops += (
+            len(to_measure(schemes, *_features(model, fqn), "kl"))
+            * tail
+            * 2.0
+            * per_block
+            * config.num_tokens
         )
-        _measure(load() if load is not None else model, todo, measure, packs, table, progress)
-        _save_cache(calibration_dir, key, table)
-    return table, hits
+    seconds = flops / _matmul_flops_per_second()
+    model_bytes = 4 * sum(p.numel() for p in model.parameters())
+    fits = max_memory is None or model_bytes < 0.8 * max_memory
+    exact = seconds <= 60 * config.budget_minutes and fits
+    reason = f"exact KL estimated at {seconds / 60:.1f} min (budget {config.budget_minutes:g} min)" + (
+        "" if fits else f"; the FP32 model ({model_bytes / 2**30:.1f} GiB) does not fit --max-memory"
+    )
+    return {
+        "method": "kl" if exact else "fisher",
+        "reason": reason,
+        "exact_kl_minutes": round(seconds / 60, 2),
+    }
+
+
+def _matmul_flops_per_second() -> float:
+    a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+    torch.mm(a, b)
+    started = time.perf_counter()
+    for _ in range(8):
+        torch.mm(a, b)
+    return 8 * 2 * 256 * 1024 * 1024 / max(time.perf_counter() - started, 1e-9)

@@ -24,6 +24,7 @@ from torch import nn
 
 from quantize.checkpoint import Checkpoint
 from quantize.errors import QpackError
+from quantize.memory import available_memory
 
 _BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -111,6 +112,27 @@ class StreamedModel:
         else:
             owner._buffers[leaf] = tensor
 
+    def resident_bytes(self) -> int:
+        """Bytes held for the whole run: the FP32 tensors outside the blocks (a tied head counted once)."""
+        seen: set[int] = set()
+        total = 0
+        for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            if tensor.is_meta or name.startswith("model.layers.") or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+        return total
+
+    def needed_bytes(self, activation_tokens: int) -> int:
+        """What a qpack pass needs at its peak: the resident tensors, two FP32 blocks (the one in use and the
+        next being read), the input Hessians of one block (GPTQ/AWQ, with the inverse of the largest), and the
+        activations carried between blocks plus one block's intermediates on a 512-token row."""
+        config = self.config
+        hidden, intermediate = int(config.hidden_size), int(config.intermediate_size)
+        hessians = 4 * (3 * hidden**2 + 2 * intermediate**2)
+        activations = 4 * hidden * activation_tokens + 4 * 512 * (4 * intermediate + 4 * hidden)
+        return self.resident_bytes() + 2 * self.block_bytes(0) + hessians + activations
+
     def block_bytes(self, index: int, dtype: torch.dtype = torch.float32) -> int:
         """Bytes block `index` takes materialized in `dtype`."""
         element = torch.empty(0, dtype=dtype).element_size()
@@ -145,3 +167,18 @@ class StreamedModel:
             prefix + n: t.detach().to(torch.float32).contiguous()
             for n, t in self.layers[index].state_dict().items()
         }
+
+
+def check_memory(streamed: StreamedModel, activation_tokens: int, max_memory: int | None) -> int:
+    """The memory limit (default: 90% of what is available now); exit 2 with what would fit when one block
+    of this model, with the embeddings and head, cannot."""
+    limit = max_memory if max_memory is not None else int(0.9 * available_memory())
+    needed = streamed.needed_bytes(activation_tokens)
+    if needed > limit:
+        gib = 2**30
+        raise QpackError(
+            f"this model needs about {needed / gib:.1f} GiB to be processed block by block (one decoder block is "
+            f"{streamed.block_bytes(0) / gib:.2f} GiB in FP32, embeddings and head {streamed.resident_bytes() / gib:.2f}"
+            f" GiB) but the limit is {limit / gib:.1f} GiB; raise --max-memory or free memory"
+        )
+    return limit

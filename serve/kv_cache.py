@@ -7,7 +7,6 @@ has a K and a V pool of [slots, kv_heads, head_dim], slot = block id * block_siz
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -16,24 +15,6 @@ KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
-}
-
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1e3,
-    "kb": 1e3,
-    "kib": 2**10,
-    "m": 1e6,
-    "mb": 1e6,
-    "mib": 2**20,
-    "g": 1e9,
-    "gb": 1e9,
-    "gib": 2**30,
-    "t": 1e12,
-    "tb": 1e12,
-    "tib": 2**40,
 }
 
 
@@ -83,20 +64,18 @@ class KVLayout:
 
 def parse_memory(value: str | float | int, device: torch.device) -> int:
     """Bytes from '512MB', '2GiB', 1e9, or a fraction of currently free memory ('0.25')."""
-    if isinstance(value, str):
-        match = _SIZE.match(value)
-        if match is None:
-            raise ValueError(f"--kv-memory {value!r} is not a size (e.g. 512MB, 2GiB) or a fraction (0.25)")
-        number, unit = float(match.group(1)), (match.group(2) or "").lower()
-        if unit not in _UNITS:
-            raise ValueError(f"--kv-memory unit {unit!r} unknown; use MB, GB, MiB or GiB")
-        value = number if unit == "" and number <= 1 else number * _UNITS[unit]
-    if 0 < float(value) <= 1:
-        if device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(device)
-        else:
-            import psutil
+    from quantize.memory import available_memory, parse_size
 
-            free = psutil.virtual_memory().available
-        return int(float(value) * free)
-    return int(value)
+    free = None
+    if (isinstance(value, int | float) and 0 < float(value) <= 1) or (
+        isinstance(value, str) and _is_fraction(value)
+    ):
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+    return parse_size(value, "--kv-memory", free)
+
+
+def _is_fraction(text: str) -> bool:
+    try:
+        return 0 < float(text) <= 1
+    except ValueError:
+        return False

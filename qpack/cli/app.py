@@ -88,3 +88,25 @@ def ints(text: str, option: str) -> tuple[int, ...]:
 def formats(value: str) -> tuple[str, ...]:
     """--format letter|cloze|both as the tuple of MMLU formats to score."""
     return ("letter", "cloze") if value == "both" else (value,)
+
+
+def sizes(text: str, option: str) -> int:
+    """Bytes from '2GB', '512MiB'... (QpackError naming the option otherwise)."""
+    from quantize.memory import parse_size
+
+    try:
+        return parse_size(text, option)
+    except ValueError as exc:
+        raise QpackError(str(exc)) from None
+
+
+def memory_limit(text: str | None) -> int | None:
+    """--max-memory: bytes, a fraction of the memory free now, or None (the library's default)."""
+    if text is None:
+        return None
+    from quantize.memory import available_memory, parse_size
+
+    try:
+        return parse_size(text, "--max-memory", available_memory())
+    except ValueError as exc:
+        raise QpackError(str(exc)) from None

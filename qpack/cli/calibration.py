@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from qpack.cli import options as opt
-from qpack.cli.app import app, output, run
+from qpack.cli.app import app, memory_limit, output, run
 from qpack.cli.render import calibration_tables
 
 
@@ -45,6 +45,7 @@ def calibrate(
     ),
     keep_text: bool = typer.Option(False, "--keep-text", help="Also store the (scrubbed) query text."),
     batch_tokens: int = typer.Option(4096, "--batch-tokens", help="Padded tokens per forward batch."),
+    max_memory: opt.MaxMemory = None,
     overwrite: opt.Overwrite = False,
 ) -> None:
     from calibrate import CalibrationConfig, run_calibration
@@ -69,6 +70,7 @@ def calibrate(
         keep_text=keep_text,
         overwrite=overwrite,
         token_budget=batch_tokens,
+        max_memory=run(out, lambda: memory_limit(max_memory)),
     )
     result = run(out, lambda: run_calibration(config, out.progress()))
     coverage = result.manifest.get("coverage")

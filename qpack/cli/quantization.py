@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from qpack.cli import options as opt
-from qpack.cli.app import app, output, run
+from qpack.cli.app import app, memory_limit, output, run, sizes
 from qpack.cli.render import artifact_table, inspect_table, plan_summary, plan_table
 
 
@@ -32,7 +32,14 @@ def quantize(
     ),
     override: opt.Overrides = [],  # noqa: B006 - typer copies list defaults
     algorithm: str = typer.Option("auto", "--algorithm", help="auto, rtn, gptq, awq or smoothquant."),
-    sensitivity: str = typer.Option("kl", "--sensitivity", help="kl (default), kl-all or mse."),
+    sensitivity: str = typer.Option(
+        "auto",
+        "--sensitivity",
+        help="auto (exact kl where it fits --sensitivity-budget, else fisher), kl, kl-all, fisher or mse.",
+    ),
+    sensitivity_budget: float = typer.Option(
+        10.0, "--sensitivity-budget", help="Minutes exact KL may take before auto picks the Fisher estimate."
+    ),
     sensitivity_tokens: int = typer.Option(
         256, "--sensitivity-tokens", help="Held-out tokens for sensitivity."
     ),
@@ -47,6 +54,10 @@ def quantize(
     ),
     export: str | None = typer.Option(None, "--export", help="Also export: compressed-tensors."),
     seed: int = typer.Option(0, "--seed", help="Seed for token sampling."),
+    max_shard_size: str = typer.Option(
+        "2GB", "--max-shard-size", help="Largest weights file of the artifact."
+    ),
+    max_memory: opt.MaxMemory = None,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact."),
 ) -> None:
     from quantize.algorithms import GPTQConfig
@@ -69,12 +80,16 @@ def quantize(
         algorithm=algorithm,
         gptq=GPTQConfig(damp=damp, act_order=act_order),
         smoothquant_alpha=smoothquant_alpha,
-        sensitivity=SensitivityConfig(method=sensitivity, num_tokens=sensitivity_tokens, seed=seed),
+        sensitivity=SensitivityConfig(
+            method=sensitivity, num_tokens=sensitivity_tokens, seed=seed, budget_minutes=sensitivity_budget
+        ),
         calib_tokens=calib_tokens,
         eval_tokens=eval_tokens,
         export=export,
         overwrite=overwrite,
         seed=seed,
+        max_shard_size=run(out, lambda: sizes(max_shard_size, "--max-shard-size")),
+        max_memory=run(out, lambda: memory_limit(max_memory)),
     )
 
     def on_plan(plan: Any, info: dict[str, Any]) -> None:
