@@ -115,8 +115,8 @@ class QuantizeConfig:
             problems.append(
                 f"--sensitivity must be one of {', '.join(METHODS)} (got {self.sensitivity.method!r})"
             )
-        if self.max_shard_size < 2**20:
-            problems.append(f"--max-shard-size must be at least 1 MiB (got {self.max_shard_size} bytes)")
+        if self.max_shard_size < 2**14:
+            problems.append(f"--max-shard-size must be at least 16 KiB (got {self.max_shard_size} bytes)")
         if self.max_memory is not None and self.max_memory < 2**26:
             problems.append(f"--max-memory must be at least 64 MiB (got {self.max_memory} bytes)")
         if self.sensitivity.num_tokens < 16:
