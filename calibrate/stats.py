@@ -83,7 +83,10 @@ def collect_stats(
     }
     packs = make_packs([torch.tensor(s, dtype=torch.int64) for s in sequences], token_budget)
     hidden = [lw.embed(p) for p in packs]
-    with progress.task("Activation statistics (block by block)", total=lw.num_layers) as task:
+    with (
+        progress.task("Activation statistics (block by block)", total=lw.num_layers) as task,
+        lw.without_outside(),
+    ):
         for index in range(lw.num_layers):
             with lw.block(index) as block:
                 handles = _hooks(block, f"model.layers.{index}.", accumulators)

@@ -80,7 +80,7 @@ def quantize_blockwise(
         reference = [lw.embed(p) for p in eval_packs]
     candidate = list(reference)
     title = f"Quantizing {lw.num_layers} blocks on {run.num_tokens:,} calibration tokens"
-    with progress.task(title, total=lw.num_layers) as task:
+    with progress.task(title, total=lw.num_layers) as task, lw.without_outside():
         for index in range(lw.num_layers):
             with lw.block(index):
                 with torch.inference_mode():
@@ -137,7 +137,7 @@ def _quantize_block(
             if members:
                 _fold_group_scale(run, group, members, hessians, smooth, info)
         for group in block_groups:
-            records.update(_quantize_group(run, group, hessians.get(group.name), smooth, info))
+            records.update(_quantize_group(run, group, hessians.pop(group.name, None), smooth, info))
     return records
 
 
@@ -199,7 +199,14 @@ def _quantize_group(
 ) -> dict[str, QuantizedWeight]:
     """Each planned member of one input group with GPTQ (sharing one prepared Hessian) or RTN."""
     records: dict[str, QuantizedWeight] = {}
-    prepared: A.PreparedHessian | None = None
+    gptq = {
+        fqn
+        for fqn in group.members
+        if run.plan.algorithms.get(fqn) == "gptq"
+        and isinstance(run.plan.schemes.get(fqn), Int8 | Int4 | W8A8)
+    }
+    prepared = A.prepare_hessian(hessian, run.config.gptq) if gptq and hessian is not None else None
+    del hessian  # GPTQ needs only the prepared inverse factor: one K x K matrix alive, not two
     for fqn in group.members:
         scheme = run.plan.schemes.get(fqn)
         if scheme is None:
@@ -208,8 +215,7 @@ def _quantize_group(
         assert isinstance(linear, nn.Linear), fqn
         algorithm = run.plan.algorithms[fqn]
         weight = linear.weight.detach().to(torch.float32)
-        if algorithm == "gptq" and hessian is not None and isinstance(scheme, Int8 | Int4 | W8A8):
-            prepared = prepared or A.prepare_hessian(hessian, run.config.gptq)
+        if fqn in gptq and prepared is not None:
             tensors = A.gptq(scheme, weight, prepared, run.config.gptq)
         else:
             tensors = A.rtn(scheme, weight)

@@ -53,7 +53,10 @@ def fisher_kl(
     generator = torch.Generator().manual_seed(seed)
     inputs = _forward(lw, packs, progress)  # inputs[b][p]: block b's input on pack p
     grads = [_head_gradient(lw, h, samples, generator) for h in inputs[lw.num_layers]]
-    with progress.task("Sensitivity (Fisher): backward pass", total=lw.num_layers) as task:
+    with (
+        progress.task("Sensitivity (Fisher): backward pass", total=lw.num_layers) as task,
+        lw.without_outside(),
+    ):
         for index in reversed(range(lw.num_layers)):
             prefix = f"model.layers.{index}."
             mine = {
@@ -77,7 +80,10 @@ def fisher_kl(
 def _forward(lw: LayerwiseModel, packs: list[Pack], progress: Progress) -> list[list[torch.Tensor]]:
     hidden = [lw.embed(p) for p in packs]
     inputs = [hidden]
-    with progress.task("Sensitivity (Fisher): forward pass", total=lw.num_layers) as task:
+    with (
+        progress.task("Sensitivity (Fisher): forward pass", total=lw.num_layers) as task,
+        lw.without_outside(),
+    ):
         for index in range(lw.num_layers):
             with lw.block(index):
                 hidden = [lw.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]

@@ -139,6 +139,12 @@ class LayerwiseModel:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def without_outside(self) -> contextlib.AbstractContextManager[None]:
+        """For the duration, a streamed model holds no embedding or head matrix (read again after)."""
+        if self.streamed is None:
+            return contextlib.nullcontext()
+        return _outside_released(self.streamed)
+
     def block(self, index: int) -> contextlib.AbstractContextManager[nn.Module]:
         """Block `index` ready to run for the duration (streamed: read from disk once, dropped after)."""
         if self.streamed is not None:
@@ -190,6 +196,15 @@ class LayerwiseModel:
         self._rope.clear()
 
 
+@contextlib.contextmanager
+def _outside_released(streamed: StreamedModel) -> Iterator[None]:
+    streamed.release_outside()
+    try:
+        yield
+    finally:
+        streamed.restore_outside()
+
+
 def sample_sequences(
     sequences: list[torch.Tensor], budget: int, seed: int, truncate: bool = False
 ) -> list[torch.Tensor]:
@@ -221,15 +236,14 @@ def input_hessians(
     position is weighted by how many original sequences it stands for (shared prefixes).
     """
     hessians: dict[str, torch.Tensor] = {}
-    state: dict[str, Any] = {"x": None, "h": None, "weights": None}
+    state: dict[str, Any] = {"weights": None}
 
     def make_hook(name: str) -> Any:
         def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0]
-            if x is not state["x"]:
-                flat = x.reshape(-1, x.shape[-1]).to(torch.float32)
-                state["x"], state["h"] = x, (flat * state["weights"][:, None]).t() @ flat
-            hessians[name] = hessians[name] + state["h"] if name in hessians else state["h"].clone()
+            flat = args[0].reshape(-1, args[0].shape[-1]).to(torch.float32)
+            if name not in hessians:
+                hessians[name] = torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float32)
+            hessians[name].addmm_((flat * state["weights"][:, None]).t(), flat)  # in place: K x K once
 
         return hook
 

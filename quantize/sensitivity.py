@@ -53,7 +53,7 @@ from quantize.layerwise import (
 from quantize.plan import block_index
 from quantize.progress import NULL_PROGRESS, Progress
 from quantize.schemes import Scheme
-from quantize.surgery import get_module, set_module
+from quantize.surgery import get_module, input_groups, set_module
 
 METHODS = ("auto", "kl", "kl-all", "fisher", "mse")
 
@@ -221,12 +221,17 @@ def _measure_block(
     """One block's candidates: output errors from its input Hessians, then exact KL of the measured ones."""
     model = lw.model
     fqns = [f for f in todo if block_index(f) == index]
-    hessians = input_hessians(lw, index, {f: get_module(model, f) for f in fqns}, inputs, packs)
+    groups = {m: g.name for g in input_groups(model) if g.block == index for m in g.members}
+    heads = {g.name: get_module(model, g.members[0]) for g in input_groups(model) if g.block == index}
+    hessians = input_hessians(
+        lw, index, heads, inputs, packs
+    )  # one per input: q/k/v and gate/up share theirs
     for fqn in fqns:
         weight = get_module(model, fqn).weight.detach().to(torch.float32)  # type: ignore[union-attr]
-        signal = max(float(output_error(weight, hessians[fqn])), 1e-30)
+        hessian = hessians[groups[fqn]]
+        signal = max(float(output_error(weight, hessian)), 1e-30)
         for scheme in todo[fqn]:
-            error = float(output_error(fake_quant(scheme, weight) - weight, hessians[fqn]))
+            error = float(output_error(fake_quant(scheme, weight) - weight, hessian))
             table.record(fqn, scheme, mse=error / signal)
     del hessians
     candidates = [(f, s) for f in fqns for s in measure.get(f, [])]

@@ -50,6 +50,7 @@ class StreamedModel:
         self._users = [0] * len(self.layers)
         self.peak_blocks = 0
         self.loads = 0
+        self.outside_released = False
         self._check_names()
         self._load_resident()
 
@@ -102,6 +103,23 @@ class StreamedModel:
         if self._tied():
             self.model.lm_head.weight = base.embed_tokens.weight  # type: ignore[union-attr]
         base.rotary_emb = type(base.rotary_emb)(config=self.config).to(self.device)
+
+    def release_outside(self) -> None:
+        """Drop the embedding and head matrices (FP32: 1.6 GB at 8B widths) while only the blocks are needed, e.g.
+        after the embeddings of a pass's tokens are taken; `restore_outside` reads them again."""
+        base = self.model.model  # type: ignore[union-attr]
+        for module in {id(m): m for m in (base.embed_tokens, self.model.lm_head)}.values():  # type: ignore[union-attr]
+            for name, parameter in list(module._parameters.items()):
+                if parameter is not None and parameter.dim() == 2:
+                    module._parameters[name] = nn.Parameter(
+                        torch.empty(parameter.shape, device="meta"), requires_grad=False
+                    )
+        self.outside_released = True
+
+    def restore_outside(self) -> None:
+        if self.outside_released:
+            self._load_resident()
+            self.outside_released = False
 
     def _assign(self, root: nn.Module, name: str, tensor: torch.Tensor) -> None:
         owner_name, _, leaf = name.rpartition(".")

@@ -128,5 +128,7 @@ def test_a_memory_limit_below_one_block_is_refused_with_what_would_fit(sharded_b
     needed = streamed.needed_bytes(1000)
     assert needed > streamed.resident_bytes() + 2 * streamed.block_bytes(0)
     assert check_memory(streamed, 1000, needed + 1) == needed + 1
-    with pytest.raises(QpackError, match=r"needs about .* GiB to be processed block by block .* raise --max-memory"):
+    with pytest.raises(
+        QpackError, match=r"needs about .* GiB to be processed block by block .* raise --max-memory"
+    ):
         check_memory(streamed, 1000, needed - 1)
