@@ -94,6 +94,7 @@ class StreamedModel:
                 "re-convert the model"
             )
 
+    @torch.inference_mode(False)  # plain tensors, usable by autograd (the Fisher pass) whoever asks
     def _load_resident(self) -> None:
         """Everything outside the decoder blocks, in FP32: embeddings, final norm, head, rotary tables."""
         names = [n for n in self.checkpoint.refs if not _BLOCK.match(n)]
@@ -169,6 +170,7 @@ class StreamedModel:
             if self._users[index] == 0:
                 self.layers[index] = copy.deepcopy(self._templates[index])
 
+    @torch.inference_mode(False)
     def _materialize(self, index: int) -> None:
         layer = copy.deepcopy(self._templates[index])
         prefix = f"model.layers.{index}."

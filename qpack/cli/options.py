@@ -50,3 +50,43 @@ MaxMemory = Annotated[
         "--max-memory", help="Memory the run may use (8GB, 0.5 = half of what is free; default 90% of free)."
     ),
 ]
+
+# qpack quantize
+Calibration = Annotated[
+    Path, typer.Option("--calibration", "-c", help="Calibration directory (qpack calibrate).")
+]
+MaxKLBudget = Annotated[
+    float | None, typer.Option("--max-kl", help="Fewest bits with predicted KL under this.")
+]
+Schemes = Annotated[
+    list[str], typer.Option("--scheme", help="Candidate schemes for the planner (repeatable).")
+]
+GroupSize = Annotated[
+    int, typer.Option("--group-size", help="int4 group size for the int4 preset (32/64/128).")
+]
+Algorithm = Annotated[str, typer.Option("--algorithm", help="auto, rtn, gptq, awq or smoothquant.")]
+Sensitivity = Annotated[
+    str,
+    typer.Option(
+        "--sensitivity",
+        help="auto (exact kl where it fits --sensitivity-budget, else fisher), kl, kl-all, fisher or mse.",
+    ),
+]
+SensitivityBudget = Annotated[
+    float,
+    typer.Option(
+        "--sensitivity-budget", help="Minutes exact KL may take before auto picks the Fisher estimate."
+    ),
+]
+SensitivityTokens = Annotated[
+    int, typer.Option("--sensitivity-tokens", help="Held-out tokens for sensitivity.")
+]
+CalibTokens = Annotated[int, typer.Option("--calib-tokens", help="Calibration tokens for GPTQ/AWQ.")]
+EvalTokens = Annotated[int, typer.Option("--eval-tokens", help="Held-out tokens for the final KL/PPL check.")]
+ActOrder = Annotated[bool, typer.Option("--act-order/--no-act-order", help="GPTQ activation order.")]
+Damp = Annotated[float, typer.Option("--damp", help="GPTQ damping (fraction of mean Hessian diagonal).")]
+SmoothQuantAlpha = Annotated[
+    float, typer.Option("--smoothquant-alpha", help="SmoothQuant migration strength.")
+]
+Export = Annotated[str | None, typer.Option("--export", help="Also export: compressed-tensors.")]
+MaxShardSize = Annotated[str, typer.Option("--max-shard-size", help="Largest weights file of the artifact.")]

@@ -16,47 +16,29 @@ from qpack.cli.render import artifact_table, inspect_table, plan_summary, plan_t
 @app.command(help="Quantize a model with layer-wise mixed precision into a versioned artifact.")
 def quantize(
     ctx: typer.Context,
-    calibration: Path = typer.Option(
-        ..., "--calibration", "-c", help="Calibration directory (qpack calibrate)."
-    ),
+    calibration: opt.Calibration,
     out_dir: Path = typer.Option(..., "--output", "-o", help="Artifact directory to write."),
     model: opt.ModelSpec = None,
     name: opt.Name = None,
     version: opt.Version = "1",
     preset: opt.Preset = "mixed",
     target_bits: opt.TargetBits = None,
-    max_kl: float | None = typer.Option(None, "--max-kl", help="Fewest bits with predicted KL under this."),
-    schemes: list[str] = typer.Option([], "--scheme", help="Candidate schemes for the planner (repeatable)."),
-    group_size: int = typer.Option(
-        64, "--group-size", help="int4 group size for the int4 preset (32/64/128)."
-    ),
-    override: opt.Overrides = [],  # noqa: B006 - typer copies list defaults
-    algorithm: str = typer.Option("auto", "--algorithm", help="auto, rtn, gptq, awq or smoothquant."),
-    sensitivity: str = typer.Option(
-        "auto",
-        "--sensitivity",
-        help="auto (exact kl where it fits --sensitivity-budget, else fisher), kl, kl-all, fisher or mse.",
-    ),
-    sensitivity_budget: float = typer.Option(
-        10.0, "--sensitivity-budget", help="Minutes exact KL may take before auto picks the Fisher estimate."
-    ),
-    sensitivity_tokens: int = typer.Option(
-        256, "--sensitivity-tokens", help="Held-out tokens for sensitivity."
-    ),
-    calib_tokens: int = typer.Option(4096, "--calib-tokens", help="Calibration tokens for GPTQ/AWQ."),
-    eval_tokens: int = typer.Option(
-        2048, "--eval-tokens", help="Held-out tokens for the final KL/PPL check."
-    ),
-    act_order: bool = typer.Option(True, "--act-order/--no-act-order", help="GPTQ activation order."),
-    damp: float = typer.Option(0.01, "--damp", help="GPTQ damping (fraction of mean Hessian diagonal)."),
-    smoothquant_alpha: float = typer.Option(
-        0.5, "--smoothquant-alpha", help="SmoothQuant migration strength."
-    ),
-    export: str | None = typer.Option(None, "--export", help="Also export: compressed-tensors."),
+    max_kl: opt.MaxKLBudget = None,
+    schemes: opt.Schemes = [],  # noqa: B006 - typer copies list defaults
+    group_size: opt.GroupSize = 64,
+    override: opt.Overrides = [],  # noqa: B006
+    algorithm: opt.Algorithm = "auto",
+    sensitivity: opt.Sensitivity = "auto",
+    sensitivity_budget: opt.SensitivityBudget = 10.0,
+    sensitivity_tokens: opt.SensitivityTokens = 256,
+    calib_tokens: opt.CalibTokens = 4096,
+    eval_tokens: opt.EvalTokens = 2048,
+    act_order: opt.ActOrder = True,
+    damp: opt.Damp = 0.01,
+    smoothquant_alpha: opt.SmoothQuantAlpha = 0.5,
+    export: opt.Export = None,
     seed: int = typer.Option(0, "--seed", help="Seed for token sampling."),
-    max_shard_size: str = typer.Option(
-        "2GB", "--max-shard-size", help="Largest weights file of the artifact."
-    ),
+    max_shard_size: opt.MaxShardSize = "2GB",
     max_memory: opt.MaxMemory = None,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact."),
 ) -> None:
