@@ -152,6 +152,17 @@ class BlockPool:
         block.key = key
         self._cached[key] = block_id
 
+    def forget(self, keys: Sequence[PrefixKey]) -> int:
+        """Unregister these keys (a deleted session): their blocks stay with whoever holds them, but no later
+        prompt can reuse them. Returns how many were cached."""
+        count = 0
+        for key in keys:
+            block_id = self._cached.pop(key, None)
+            if block_id is not None:
+                self.blocks[block_id].key = None
+                count += 1
+        return count
+
     @property
     def hit_rate(self) -> float:
         return self.cache_hits / self.cache_queries if self.cache_queries else 0.0

@@ -9,11 +9,13 @@ dropped when the step commits. `run()` loops on a background thread until told t
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +29,10 @@ from serve.runner import ModelRunner
 from serve.sampler import sample
 from serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serve.sequence import SamplingParams, Sequence
+from serve.tiers.adapter import TierAdapter
+from serve.tiers.codec import BlockLayout
+from serve.tiers.stores import DiskStore, HostStore
+from serve.tiers.tiered import TieredKV
 
 _log = logging.getLogger("qpack.serve")
 
@@ -51,6 +57,14 @@ class EngineConfig:
     # torch.compile the decode step (minutes of warm-up, fewer per-op overheads) for the decode steps the fused
     # native step doesn't cover (more than kernels.max_rows() sequences, layers it can't run, no native kernels)
     compile: bool = False
+    # tiers below the pool (serve/tiers): host memory and a directory, each bounded in bytes (0: off)
+    kv_host_memory: int = 0
+    kv_disk: str | None = None
+    kv_disk_size: int = 0
+    kv_codec: str = "zstd"
+    session_ttl: float | None = None
+    isolate_users: bool = False  # salt every request's prefix chain with its `user`
+    model_hash: str = ""  # the artifact's content hash: stored blocks of another version are never read
 
 
 @dataclass
@@ -110,6 +124,11 @@ class Engine:
             config.max_model_len or position_limit, position_limit, num_blocks * config.block_size
         )
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.runner = ModelRunner(model, layout, num_blocks, config.block_size, device, config.compile)
+        self.namespace = hashlib.sha256(
+            f"qpack-kv-v1|{config.model_hash}|{config.kv_dtype}|{config.block_size}".encode()
+        ).digest()
+        self.tiers = self._tiers(layout)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 block_size=config.block_size,
@@ -119,8 +138,9 @@ class Engine:
                 max_model_len=self.max_model_len,
             ),
             self.pool,
+            self.tiers.fetch if self.tiers is not None else None,
+            self.tiers.on_register if self.tiers is not None else None,
         )
-        self.runner = ModelRunner(model, layout, num_blocks, config.block_size, device, config.compile)
         self.eos_ids = self._eos_ids()
         self.streams: dict[str, _Stream] = {}
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
@@ -129,6 +149,31 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self.paused = threading.Event()  # set: the loop stops stepping (maintenance; tests hold work queued)
         self.metrics.kv_blocks_total.set(num_blocks)
+
+    def _tiers(self, layout: KVLayout) -> TierAdapter | None:
+        """T1 (host memory) and T2 (disk) when configured, keyed under this engine's namespace."""
+        config = self.config
+        if not config.kv_host_memory and not config.kv_disk:
+            return None
+        block_layout = BlockLayout(
+            hashlib.sha256(config.model_hash.encode()).digest(),
+            config.kv_dtype,
+            config.block_size,
+            layout.num_layers,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
+        host = HostStore(config.kv_host_memory) if config.kv_host_memory else None
+        disk = DiskStore(Path(config.kv_disk), config.kv_disk_size) if config.kv_disk else None
+        tiers = TieredKV(
+            block_layout,
+            host,
+            disk,
+            config.kv_codec,
+            session_ttl=config.session_ttl,
+            on_event=self.metrics.tier_event,
+        )
+        return TierAdapter(tiers, self.pool, self.runner, config.block_size)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -158,6 +203,8 @@ class Engine:
         priority: int = 0,
         timeout: float | None = None,
         cache_salt: bytes = b"",
+        user: str | None = None,
+        session_id: str | None = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -166,7 +213,15 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
                 f"{self.max_model_len} tokens"
             )
-        seq = Sequence(request_id, list(prompt_ids), params, priority=priority, cache_salt=cache_salt)
+        salt = (
+            self.namespace
+            + cache_salt
+            + (b"|user=" + user.encode() if self.config.isolate_users and user else b"")
+        )
+        session = (user or "", session_id or "") if user or session_id else None
+        seq = Sequence(
+            request_id, list(prompt_ids), params, priority=priority, cache_salt=salt, session=session
+        )
         if timeout is not None:
             seq.deadline = time.monotonic() + timeout
         stream = _Stream(seq, max_stop=max((len(s) for s in params.stop), default=0))
@@ -298,7 +353,11 @@ class Engine:
         self._deliver(outputs)
         if batch is None:
             return bool(outputs)
+        started = time.perf_counter()
         logits = self.runner.run(batch)
+        prefill_tokens = scheduled.num_tokens - batch.num_decode
+        if self.tiers is not None and prefill_tokens >= 4 * self.config.block_size:
+            self.tiers.prefill_per_token.add((time.perf_counter() - started) / scheduled.num_tokens)
         sampling = self.runner.ordered(scheduled.scheduled)
         with self._lock:
             self.scheduler.commit(scheduled)
@@ -363,6 +422,18 @@ class Engine:
             outputs = [self._finish(stream, "error") for stream in list(self.streams.values())]
             self._update_gauges()
         self._deliver(outputs)
+
+    def forget_sessions(self, user: str | None = None, session_id: str | None = None) -> int:
+        """Delete a session's (or user's) stored KV from every tier; the number of blocks removed."""
+        if self.tiers is None:
+            return 0
+        with self._lock:
+            return self.tiers.forget(user, session_id)
+
+    def close(self) -> None:
+        """Write out what the tiers still have queued (a draining server calls this last)."""
+        if self.tiers is not None:
+            self.tiers.tiers.close()
 
     def wake(self) -> None:
         with self._wake:

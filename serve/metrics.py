@@ -50,6 +50,41 @@ class Metrics:
             "qpack_preemptions", "Sequences preempted for lack of KV blocks", registry=r
         )
         self.steps = Counter("qpack_engine_steps", "Engine steps", registry=r)
+        self.tier_hits = Counter("qpack_kv_tier_hits", "Blocks found in a tier", ["tier"], registry=r)
+        self.tier_misses = Counter("qpack_kv_tier_misses", "Tier lookups that found nothing", registry=r)
+        self.tier_written = Counter(
+            "qpack_kv_tier_written", "Blocks written through to a tier", ["tier"], registry=r
+        )
+        self.tier_dropped = Counter(
+            "qpack_kv_tier_dropped_writes", "Write-throughs dropped because the queue was full", registry=r
+        )
+        self.tier_corrupt = Counter(
+            "qpack_kv_tier_corrupt_blocks",
+            "Stored blocks refused (damaged, truncated, foreign)",
+            ["tier"],
+            registry=r,
+        )
+        self.tier_load = Histogram(
+            "qpack_kv_tier_load_seconds",
+            "Time to load one lookup's blocks from the tiers",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+
+    def tier_event(self, event: str, tier: str, value: float) -> None:
+        """What the tiers report (any thread)."""
+        if event == "hit":
+            self.tier_hits.labels(tier=tier).inc(value)
+        elif event == "miss":
+            self.tier_misses.inc(value)
+        elif event == "written":
+            self.tier_written.labels(tier=tier).inc(value)
+        elif event == "dropped":
+            self.tier_dropped.inc(value)
+        elif event == "corrupt":
+            self.tier_corrupt.labels(tier=tier).inc(value)
+        elif event == "load_seconds":
+            self.tier_load.observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -186,6 +186,17 @@ class ModelRunner:
             segments.append((start, index + 1, run))
         return segments
 
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """A copy of one block's KV: [2 * layers, block_size, kv_heads, head_dim], K of every layer, then V."""
+        rows = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+        return torch.stack([cache[rows] for cache in (*self.k_cache, *self.v_cache)])
+
+    def write_block(self, block_id: int, block: torch.Tensor) -> None:
+        """Fill one pool block from `read_block`'s layout."""
+        rows = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+        for cache, part in zip((*self.k_cache, *self.v_cache), block, strict=True):
+            cache[rows].copy_(part)
+
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)
         blocks = torch.tensor(block_ids, dtype=torch.int64)[positions // self.block_size]

@@ -11,16 +11,23 @@ its blocks are freed and it goes back to the head of its class in the queue, to 
 if its prefix blocks are still cached). Admission never preempts: a new request simply waits.
 
 The waiting queue is bounded (`max_queue`); `add` returns False when it is full, which the API turns into a
-429 with Retry-After. The scheduler never touches tensors.
+429 with Retry-After. The scheduler never touches tensors: where a prefix misses the pool's cache, the engine's
+`fetch` callback may supply the next blocks of the chain from the lower tiers (already filled and registered),
+and `on_register` tells the engine about every block it registers, so it can write it through.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from serve.block_pool import BlockPool
+from serve.block_pool import BlockPool, PrefixKey
 from serve.sequence import Sequence, Status
+
+# fetch(seq, keys) -> block ids holding the KV of the leading keys (fresh, ref 1, registered); may be shorter
+Fetch = Callable[[Sequence, list[PrefixKey]], list[int]]
+OnRegister = Callable[[Sequence, int, PrefixKey], None]
 
 
 @dataclass(frozen=True)
@@ -55,9 +62,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        fetch: Fetch | None = None,
+        on_register: OnRegister | None = None,
+    ) -> None:
         self.config = config
         self.pool = pool
+        self.fetch = fetch
+        self.on_register = on_register
         self.waiting: list[tuple[tuple[int, int], Sequence]] = []
         self.running: list[Sequence] = []
         self._arrivals = 0
@@ -146,11 +161,15 @@ class Scheduler:
             _key, seq = self.waiting[0]
             tokens = seq.all_ids
             cacheable = (len(tokens) - 1) // self.config.block_size
-            hits = self.pool.lookup(seq.keys(self.config.block_size)[:cacheable])
+            keys = seq.keys(self.config.block_size)[:cacheable]
+            hits = self.pool.lookup(keys)
             self.pool.share(hits)
-            seq.block_ids = list(hits)
-            seq.num_computed = len(hits) * self.config.block_size
-            seq.num_registered = len(hits)
+            loaded = (
+                self.fetch(seq, keys[len(hits) :]) if self.fetch is not None and len(hits) < len(keys) else []
+            )
+            seq.block_ids = [*hits, *loaded]
+            seq.num_computed = len(seq.block_ids) * self.config.block_size
+            seq.num_registered = len(seq.block_ids)
             num_new = min(seq.num_uncomputed, budget)
             if not self._grow(seq, seq.num_computed + num_new):
                 self._release(seq)
@@ -178,6 +197,8 @@ class Scheduler:
                 keys = seq.keys(size)
                 for index in range(seq.num_registered, full):
                     self.pool.register(seq.block_ids[index], keys[index])
+                    if self.on_register is not None:
+                        self.on_register(seq, seq.block_ids[index], keys[index])
                 seq.num_registered = full
 
     def kv_waste(self) -> tuple[int, int]:

@@ -57,6 +57,7 @@ class Sequence:
     cached_prompt_tokens: int = 0
     generator: torch.Generator | None = None
     cache_salt: bytes = b""  # tenants with different salts never share prefix-cache blocks
+    session: tuple[str, str] | None = None  # (user, session id) its stored blocks are recorded under
     _keys: list[PrefixKey] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

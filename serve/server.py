@@ -6,6 +6,9 @@ refused, running requests finish and stream to the end, then the process exits.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import signal
 import socket
 import threading
@@ -19,10 +22,12 @@ import torch
 from torch import nn
 
 from quantize.errors import QpackError
+from quantize.memory import parse_size
 from serve.engine import Engine, EngineConfig
 from serve.kv_cache import KV_DTYPES
 from serve.openai import ServerInfo, create_app
 from serve.openai.routes import DEFAULT_MAX_REQUEST_BYTES
+from serve.tiers.codec import CODECS
 
 
 @dataclass
@@ -32,11 +37,12 @@ class LoadedModel:
     name: str
     version: str
     source: str
+    content_hash: str = ""  # what stored KV blocks are keyed by: a new version never reads old blocks
 
 
 def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
     """An artifact directory (quantized modules) or any `--model` spec (FP32/BF16, for comparison)."""
-    from quantize.models import load_model, load_tokenizer, resolve_model
+    from quantize.models import load_model, load_tokenizer, resolve_model, weights_sha256
 
     path = Path(target).expanduser()
     if (path / "manifest.json").is_file():
@@ -44,14 +50,17 @@ def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -
 
         loaded = load_artifact(path, device=device, skeleton=True)
         tokenizer = load_tokenizer(path, loaded.manifest.get("tokenizer_class"))
-        return LoadedModel(loaded.model, tokenizer, loaded.name, loaded.version, str(loaded.path))
+        files = loaded.manifest.get("files", {})
+        content = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+        return LoadedModel(loaded.model, tokenizer, loaded.name, loaded.version, str(loaded.path), content)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise QpackError(f"--dtype must be one of {', '.join(dtypes)} (got {dtype!r})")
     source = resolve_model(target)
     model = load_model(source, dtype=dtypes[dtype], device=device)
+    name = source.model_id.rsplit("/", 1)[-1]
     return LoadedModel(
-        model, load_tokenizer(source), source.model_id.rsplit("/", 1)[-1], dtype, source.model_id
+        model, load_tokenizer(source), name, dtype, source.model_id, weights_sha256(source) + dtype
     )
 
 
@@ -59,6 +68,7 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     """The engine, with the heap trimmed after it is built (fusing q/k/v and gate/up frees the unfused copies)."""
     from quantize.memory import trim_heap
 
+    config = dataclasses.replace(config, model_hash=config.model_hash or loaded.content_hash)
     try:
         engine = Engine(loaded.model, loaded.tokenizer, config)
     except ValueError as exc:
@@ -71,20 +81,39 @@ def describe(engine: Engine) -> str:
     from quantize.kernels import ops as kernels
 
     tokens = engine.num_blocks * engine.config.block_size
-    kernels = (
+    decode_kernels = (
         f"native ({(kernels.isa() or '').upper().replace('AVX512', 'AVX-512 VNNI')})"
         if kernels.ready()
         else f"torch ({kernels.unavailable_reason() or 'not built'})"
     )
+    config = engine.config
+    tiers = []
+    if config.kv_host_memory:
+        tiers.append(f"host memory {config.kv_host_memory / 2**20:.0f} MiB")
+    if config.kv_disk:
+        tiers.append(f"disk {config.kv_disk} ({config.kv_disk_size / 2**30:.1f} GiB)")
     return (
-        f"KV cache: {engine.num_blocks:,} blocks x {engine.config.block_size} tokens = {tokens:,} tokens "
-        f"({engine.kv_bytes / 2**20:.0f} MiB {str(engine.config.kv_dtype).removeprefix('torch.')}, "
+        f"KV cache: {engine.num_blocks:,} blocks x {config.block_size} tokens = {tokens:,} tokens "
+        f"({engine.kv_bytes / 2**20:.0f} MiB {str(config.kv_dtype).removeprefix('torch.')}, "
         f"{engine.kv_bytes_per_token / 1024:.1f} KiB/token); "
-        f"max context {engine.max_model_len:,} tokens; decode kernels: {kernels}"
+        f"max context {engine.max_model_len:,} tokens; decode kernels: {decode_kernels}"
+        + (
+            f"; stored KV for returning conversations: {', '.join(tiers)} ({config.kv_codec})"
+            if tiers
+            else ""
+        )
     )
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _is_size(text: str) -> bool:
+    try:
+        parse_size(text, "size")
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -108,6 +137,12 @@ class ServeOptions:
     dtype: str = "float32"
     prefix_caching: bool = True
     compile: bool = False
+    kv_host_memory: str = "0"
+    kv_disk: str | None = None
+    kv_disk_size: str = "10GB"
+    kv_codec: str = "zstd"
+    session_ttl: float | None = None
+    isolate_users: bool = False
 
     def validate(self) -> None:
         """Every bad option at once, before anything is loaded."""
@@ -127,6 +162,16 @@ class ServeOptions:
                 self.kv_dtype in KV_DTYPES,
                 f"--kv-dtype must be one of {', '.join(KV_DTYPES)} (got {self.kv_dtype!r})",
             ),
+            (
+                self.kv_codec in CODECS,
+                f"--kv-codec must be one of {', '.join(CODECS)} (got {self.kv_codec!r})",
+            ),
+            (self.session_ttl is None or self.session_ttl > 0, "--session-ttl must be > 0 seconds"),
+            (
+                _is_size(self.kv_host_memory),
+                f"--kv-host-memory {self.kv_host_memory!r} is not a size (e.g. 2GB)",
+            ),
+            (_is_size(self.kv_disk_size), f"--kv-disk-size {self.kv_disk_size!r} is not a size (e.g. 50GB)"),
         )
         problems = [message for ok, message in checks if not ok]
         if problems:
@@ -143,6 +188,12 @@ class ServeOptions:
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.prefix_caching,
             compile=self.compile,
+            kv_host_memory=parse_size(self.kv_host_memory, "--kv-host-memory"),
+            kv_disk=self.kv_disk,
+            kv_disk_size=parse_size(self.kv_disk_size, "--kv-disk-size"),
+            kv_codec=self.kv_codec,
+            session_ttl=self.session_ttl,
+            isolate_users=self.isolate_users,
         )
 
     def keys(self) -> tuple[str, ...]:

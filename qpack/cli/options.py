@@ -90,3 +90,78 @@ SmoothQuantAlpha = Annotated[
 ]
 Export = Annotated[str | None, typer.Option("--export", help="Also export: compressed-tensors.")]
 MaxShardSize = Annotated[str, typer.Option("--max-shard-size", help="Largest weights file of the artifact.")]
+
+# qpack serve
+Target = Annotated[
+    str, typer.Argument(help="Artifact directory, or a model (HF folder, .gguf, Hub id, alias).")
+]
+Host = Annotated[str, typer.Option("--host", help="Address to bind (default loopback only).")]
+Port = Annotated[int, typer.Option("--port", help="Port.")]
+KVMemory = Annotated[
+    str, typer.Option("--kv-memory", help="KV pool size: bytes (512MB, 2GiB) or a fraction of free memory.")
+]
+BlockSize = Annotated[
+    int, typer.Option("--block-size", help="Tokens per KV block (smaller: less of the pool left unfilled).")
+]
+KVDtype = Annotated[
+    str,
+    typer.Option("--kv-dtype", help="KV pool element type: float32, bfloat16 (half the memory) or float16."),
+]
+MaxBatchedTokens = Annotated[int, typer.Option("--max-num-batched-tokens", help="Token budget per step.")]
+MaxSeqs = Annotated[int, typer.Option("--max-num-seqs", help="Sequences per batch.")]
+MaxQueue = Annotated[int, typer.Option("--max-queue", help="Waiting requests before 429.")]
+MaxModelLen = Annotated[
+    int | None, typer.Option("--max-model-len", help="Context limit (default: the model's).")
+]
+RequestTimeout = Annotated[
+    float, typer.Option("--request-timeout", help="Seconds before a request is aborted.")
+]
+ApiKeys = Annotated[
+    list[str],
+    typer.Option(
+        "--api-key",
+        envvar="QPACK_API_KEY",
+        help="Require 'Authorization: Bearer KEY' (repeatable: any listed key is accepted).",
+    ),
+]
+ApiKeyFile = Annotated[
+    Path | None, typer.Option("--api-key-file", help="File of accepted API keys, one per line (# comments).")
+]
+MaxRequestBytes = Annotated[
+    int, typer.Option("--max-request-bytes", help="Largest request body; bigger ones get 413 before parsing.")
+]
+Dtype = Annotated[str, typer.Option("--dtype", help="For plain models: float32, bfloat16 or float16.")]
+PrefixCaching = Annotated[
+    bool, typer.Option("--prefix-caching/--no-prefix-caching", help="Share cached prompt prefixes.")
+]
+KVHostMemory = Annotated[
+    str,
+    typer.Option(
+        "--kv-host-memory",
+        help="Host memory for KV blocks of returning conversations (T1), e.g. 2GB; 0: off.",
+    ),
+]
+KVDisk = Annotated[
+    str | None, typer.Option("--kv-disk", help="Directory for KV blocks on disk (T2); survives restarts.")
+]
+KVDiskSize = Annotated[str, typer.Option("--kv-disk-size", help="Bytes --kv-disk may hold (LRU beyond).")]
+KVCodec = Annotated[
+    str, typer.Option("--kv-codec", help="Stored-block compression: zstd, zlib, lz4 or none.")
+]
+SessionTTL = Annotated[
+    float | None, typer.Option("--session-ttl", help="Seconds an idle session's KV is kept.")
+]
+IsolateUsers = Annotated[
+    bool,
+    typer.Option(
+        "--isolate-users", help="Salt prefix caching by each request's `user`: no sharing across users."
+    ),
+]
+Compile = Annotated[
+    bool,
+    typer.Option(
+        "--compile",
+        help="torch.compile the decode steps the fused native step doesn't cover (over 16 sequences, layers "
+        "it can't run, no native kernels); minutes of warm-up at start.",
+    ),
+]

@@ -68,6 +68,8 @@ class GenerationRequest:
     include_usage: bool
     priority: int
     cache_salt: str | None = None
+    user: str | None = None
+    session_id: str | None = None
 
     @property
     def text_chars(self) -> int:
@@ -124,6 +126,8 @@ def parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
         include_usage=bool(options.get("include_usage")),
         priority=int(_number(body, "priority", 0, -1_000_000, 1_000_000, integer=True)),
         cache_salt=_cache_salt(body),
+        user=_label(body, "user"),
+        session_id=_label(body, "session_id"),
     )
 
 
@@ -253,6 +257,16 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
         return tuple(_text(s, "stop", "stop") for s in stop if s)
     raise ApiError(400, "'stop' must be a string or a list of up to 16 strings", "stop")
+
+
+def _label(body: dict[str, Any], key: str) -> str | None:
+    """OpenAI's `user` and the `session_id` extension: short printable names the tiers record blocks under."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= 256 or not value.isprintable():
+        raise ApiError(400, f"'{key}' must be a printable string of 1 to 256 characters", key)
+    return _text(value, key, key)
 
 
 def _cache_salt(body: dict[str, Any]) -> str | None:

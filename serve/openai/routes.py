@@ -222,6 +222,8 @@ class Generation:
                 priority=parsed.priority,
                 timeout=self.info.request_timeout,
                 cache_salt=(parsed.cache_salt or "").encode(),
+                user=parsed.user,
+                session_id=parsed.session_id,
             )
         except QueueFull as exc:
             raise ApiError(
@@ -305,6 +307,7 @@ def create_app(engine: Engine, info: ServerInfo) -> FastAPI:
             engine.wake()
             thread.join(timeout=10)
             generation.tokenizing.shutdown(wait=False)
+            engine.close()
 
     app = FastAPI(title="qpack serve", lifespan=lifespan)
     app.state.engine = engine
@@ -332,6 +335,19 @@ def create_app(engine: Engine, info: ServerInfo) -> FastAPI:
             "version": info.version,
         }
         return {"object": "list", "data": [{**model, "max_model_len": engine.max_model_len}]}
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, user: str | None = None) -> Response:
+        """A privacy request: the session's stored KV leaves every tier (and the pool's prefix cache)."""
+        blocks = engine.forget_sessions(user, session_id)
+        return JSONResponse({"object": "session.deleted", "id": session_id, "user": user, "blocks": blocks})
+
+    @app.delete("/v1/sessions")
+    async def delete_user_sessions(user: str | None = None) -> Response:
+        if not user:
+            return error_response(ApiError(400, "name the user whose sessions to delete: ?user=NAME", "user"))
+        blocks = engine.forget_sessions(user, None)
+        return JSONResponse({"object": "sessions.deleted", "user": user, "blocks": blocks})
 
     @app.get("/health")
     async def health() -> Response:

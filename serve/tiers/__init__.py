@@ -1,0 +1,1 @@
+"""Tiers below the paged KV pool: host memory and disk, for returning conversations."""

@@ -1,0 +1,68 @@
+"""The engine's side of the tiers: where pool blocks meet stored blocks.
+
+`fetch` (the scheduler's callback, engine thread, under the engine lock) loads the next blocks of a prefix chain
+that missed the pool into fresh pool blocks, registers them, and hands back their ids; `on_register` (also the
+scheduler's) copies each newly registered block out of the pool for write-through. Loading is used only while it
+is cheaper than recomputing: the adapter keeps running averages of the seconds one stored block takes to load
+and of the seconds one prompt token takes to prefill (reported by the engine), and skips the tiers when a block's
+tokens would recompute faster than it loads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from serve.block_pool import BlockPool, PrefixKey
+from serve.runner import ModelRunner
+from serve.sequence import Sequence
+from serve.tiers.tiered import TieredKV
+
+
+@dataclass
+class Ewma:
+    value: float | None = None
+    weight: float = 0.2
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
+
+
+class TierAdapter:
+    def __init__(self, tiers: TieredKV, pool: BlockPool, runner: ModelRunner, block_size: int) -> None:
+        self.tiers, self.pool, self.runner, self.block_size = tiers, pool, runner, block_size
+        self.load_per_block = Ewma()
+        self.prefill_per_token = Ewma()
+        self.skipped = 0
+
+    def worth_loading(self) -> bool:
+        """Loading beats recomputing (true until both have been measured)."""
+        load, prefill = self.load_per_block.value, self.prefill_per_token.value
+        return load is None or prefill is None or load < prefill * self.block_size
+
+    def fetch(self, seq: Sequence, keys: list[PrefixKey]) -> list[int]:
+        if not keys:
+            return []
+        if not self.worth_loading():
+            self.skipped += 1
+            return []
+        self.tiers.touch(seq.session)
+        started = time.perf_counter()
+        blocks = self.tiers.fetch(keys, limit=self.pool.num_free)
+        if not blocks:
+            return []
+        self.load_per_block.add((time.perf_counter() - started) / len(blocks))
+        ids = self.pool.allocate(len(blocks)) or []
+        for block_id, key, block in zip(ids, keys, blocks, strict=False):
+            self.runner.write_block(block_id, block)
+            self.pool.register(block_id, key)
+        return ids
+
+    def on_register(self, seq: Sequence, block_id: int, key: PrefixKey) -> None:
+        self.tiers.offer(key, self.runner.read_block(block_id), seq.session)
+
+    def forget(self, user: str | None, session_id: str | None) -> int:
+        """Remove a session's (or user's) blocks from every tier, the pool's prefix cache included."""
+        keys = self.tiers.forget(user, session_id)
+        self.pool.forget(keys)
+        return len(keys)

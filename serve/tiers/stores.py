@@ -1,0 +1,172 @@
+"""The two stores below the pool: host memory (T1) and a directory on disk (T2), each LRU by size.
+
+Both hold encoded blocks (`codec`) under their 32-byte chain key and are used from two threads (the engine reads,
+the write-through thread writes), so every operation takes the store's lock. T2 keeps one file per block,
+`DIR/ab/<64 hex>.kv`: a block is written to a temp file in the same directory and renamed, so a crash leaves
+either the old file or the new one, never half of one; the LRU order survives a restart through the files'
+modification times (a hit touches its file). One file per block rather than an embedded database: blocks are
+written once and read whole, deletes (session privacy requests, eviction) are single unlinks, and a corrupted
+file costs one block, never the store. A disk that fills up or turns read-only disables T2 with one warning;
+serving goes on with T0 and T1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+_log = logging.getLogger("qpack.serve.tiers")
+
+
+class HostStore:
+    """T1: encoded blocks in process memory, least recently used evicted first, at most `capacity` bytes."""
+
+    name = "host"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.size = 0
+        self._items: OrderedDict[bytes, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: bytes) -> bytes | None:
+        with self._lock:
+            data = self._items.get(key)
+            if data is not None:
+                self._items.move_to_end(key)
+            return data
+
+    def put(self, key: bytes, data: bytes) -> bool:
+        if len(data) > self.capacity:
+            return False
+        with self._lock:
+            old = self._items.pop(key, None)
+            self.size -= len(old) if old is not None else 0
+            while self._items and self.size + len(data) > self.capacity:
+                _evicted, evicted = self._items.popitem(last=False)
+                self.size -= len(evicted)
+            self._items[key] = data
+            self.size += len(data)
+        return True
+
+    def delete(self, key: bytes) -> bool:
+        with self._lock:
+            data = self._items.pop(key, None)
+            self.size -= len(data) if data is not None else 0
+            return data is not None
+
+
+class DiskStore:
+    """T2: one file per block under `folder`, least recently used evicted first, at most `capacity` bytes."""
+
+    name = "disk"
+
+    def __init__(self, folder: Path, capacity: int) -> None:
+        self.folder, self.capacity = Path(folder), capacity
+        self.size = 0
+        self.enabled = True
+        self.disabled_reason: str | None = None
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._lock = threading.Lock()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._scan()
+        except OSError as exc:
+            self._disable(f"cannot use {self.folder} ({exc.strerror or exc})")
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _path(self, key: bytes) -> Path:
+        hex_key = key.hex()
+        return self.folder / hex_key[:2] / f"{hex_key}.kv"
+
+    def _scan(self) -> None:
+        """Rebuild the index from the files (oldest access first), dropping temp files of a killed writer."""
+        found = []
+        for path in self.folder.glob("??/*"):
+            if path.suffix != ".kv":
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                stat = path.stat()
+                found.append((stat.st_mtime, bytes.fromhex(path.stem), stat.st_size))
+            except (OSError, ValueError):
+                continue
+        for _mtime, key, size in sorted(found):
+            self._index[key] = size
+            self.size += size
+        self._evict(0)
+
+    def _disable(self, reason: str) -> None:
+        if self.enabled:
+            _log.warning("KV disk tier disabled: %s; serving goes on from memory", reason)
+        self.enabled, self.disabled_reason = False, reason
+
+    def get(self, key: bytes) -> bytes | None:
+        with self._lock:
+            if not self.enabled or key not in self._index:
+                return None
+            path = self._path(key)
+            try:
+                data = path.read_bytes()
+                os.utime(path, (time.time(), time.time()))
+            except OSError:
+                self._forget(key)
+                return None
+            self._index.move_to_end(key)
+            return data
+
+    def put(self, key: bytes, data: bytes) -> bool:
+        if len(data) > self.capacity:
+            return False
+        with self._lock:
+            if not self.enabled:
+                return False
+            path = self._path(key)
+            try:
+                path.parent.mkdir(exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=path.parent)
+                try:
+                    with os.fdopen(fd, "wb") as handle:
+                        handle.write(data)
+                    os.replace(tmp, path)
+                except BaseException:
+                    Path(tmp).unlink(missing_ok=True)
+                    raise
+            except OSError as exc:
+                self._disable(f"writing {path} failed ({exc.strerror or exc})")
+                return False
+            self._forget(key, unlink=False)
+            self._index[key] = len(data)
+            self.size += len(data)
+            self._evict(0)
+            return True
+
+    def delete(self, key: bytes) -> bool:
+        with self._lock:
+            return self._forget(key)
+
+    def _forget(self, key: bytes, unlink: bool = True) -> bool:
+        size = self._index.pop(key, None)
+        if size is None:
+            return False
+        self.size -= size
+        if unlink:
+            with contextlib.suppress(OSError):
+                self._path(key).unlink(missing_ok=True)
+        return True
+
+    def _evict(self, incoming: int) -> None:
+        while self._index and self.size + incoming > self.capacity:
+            key = next(iter(self._index))
+            self._forget(key)

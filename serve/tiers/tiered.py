@@ -1,0 +1,269 @@
+"""Returning conversations: KV blocks written through to host memory (T1) and disk (T2), loaded back on a miss.
+
+In a chat product most prompts are the whole conversation so far plus one new turn. The pool's prefix cache
+(T0) keeps a conversation's blocks only until they are evicted, seconds under load; after that every turn would
+recompute its whole history. So every full block the engine registers is also offered here: the engine thread
+copies the block out of the pool and puts it on a bounded queue, never waiting (a full queue drops the copy and
+counts it), and a writer thread encodes it (`codec`) into T1 and T2. When a request's prefix misses T0, the
+engine asks `fetch` for the next keys of its chain: consecutive hits from T1, then T2 (a T2 hit is promoted to
+T1), decoded and checked; the engine copies them into pool blocks instead of recomputing them. A block that
+fails its checks is counted, deleted from its tier and recomputed.
+
+Keys are the pool's own sha256 chain keys, whose root digests the artifact's content hash, the KV dtype, the
+block size and the tenant's salt: a new artifact version never reads an old version's blocks, a restarted
+server with the same artifact reads all of them, and tenants with different salts never share one.
+
+Sessions: a request may name its `user` and a `session_id`; the blocks it registers are recorded under them
+(blocks, bytes, last use). Deleting a session removes its blocks from every tier, except blocks another session
+also holds (a shared system prompt); deleting a user removes all of theirs. `session_ttl` expires idle sessions
+the same way. The session index is kept beside T2's files, so a restarted server can still honour deletions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serve.tiers.codec import BlockLayout, CorruptBlock, decode, encode
+from serve.tiers.stores import DiskStore, HostStore
+
+_log = logging.getLogger("qpack.serve.tiers")
+SESSIONS_FILE = "sessions.json"
+
+
+@dataclass
+class Session:
+    user: str
+    keys: dict[bytes, int] = field(default_factory=dict)  # key -> encoded bytes, in order of writing
+    last_use: float = field(default_factory=time.time)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.keys.values())
+
+
+@dataclass
+class TierStats:
+    hits: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    misses: int = 0
+    corrupt: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    written: int = 0
+    dropped: int = 0
+    load_seconds: float = 0.0
+    loaded_blocks: int = 0
+
+
+class TieredKV:
+    """T1 and T2 behind one write-through queue and one lookup."""
+
+    def __init__(
+        self,
+        layout: BlockLayout,
+        host: HostStore | None,
+        disk: DiskStore | None,
+        codec: str = "zstd",
+        queue_size: int = 256,
+        session_ttl: float | None = None,
+        on_event: Callable[[str, str, float], None] | None = None,
+    ) -> None:
+        self.layout, self.host, self.disk, self.codec = layout, host, disk, codec
+        self.session_ttl = session_ttl
+        self.stats = TierStats()
+        self.on_event = on_event or (lambda _event, _tier, _value: None)
+        self.sessions: dict[tuple[str, str], Session] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[bytes, torch.Tensor, tuple[str, str] | None] | None] = queue.Queue(
+            queue_size
+        )
+        self._load_sessions()
+        self._thread = threading.Thread(target=self._run, name="qpack-kv-writer", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def offer(self, key: bytes, block: torch.Tensor, session: tuple[str, str] | None) -> bool:
+        """Queue a copy of a registered block for T1/T2 without waiting; False (counted) when the queue is
+        full. `block` must already be a copy: the pool reuses its slots."""
+        try:
+            self._queue.put_nowait((key, block, session))
+        except queue.Full:
+            self.stats.dropped += 1
+            self.on_event("dropped", "", 1)
+            return False
+        return True
+
+    def fetch(self, keys: list[bytes], limit: int | None = None) -> list[torch.Tensor]:
+        """Blocks for the leading keys found in T1 or T2, in order, stopping at the first miss or bad block."""
+        blocks: list[torch.Tensor] = []
+        started = time.perf_counter()
+        for key in keys[:limit]:
+            block = self._fetch_one(key)
+            if block is None:
+                self.stats.misses += 1
+                self.on_event("miss", "", 1)
+                break
+            blocks.append(block)
+        if blocks:
+            seconds = time.perf_counter() - started
+            self.stats.load_seconds += seconds
+            self.stats.loaded_blocks += len(blocks)
+            self.on_event("load_seconds", "", seconds)
+        return blocks
+
+    def _fetch_one(self, key: bytes) -> torch.Tensor | None:
+        for store in (self.host, self.disk):
+            if store is None:
+                continue
+            data = store.get(key)
+            if data is None:
+                continue
+            try:
+                block = decode(self.layout, key, data)
+            except CorruptBlock as exc:
+                store.delete(key)
+                self.stats.corrupt[store.name] += 1
+                self.on_event("corrupt", store.name, 1)
+                _log.warning("KV %s tier: dropped a bad block (%s); it will be recomputed", store.name, exc)
+                continue
+            self.stats.hits[store.name] += 1
+            self.on_event("hit", store.name, 1)
+            if store is self.disk and self.host is not None:
+                self.host.put(key, data)
+            return block
+        return None
+
+    def touch(self, session: tuple[str, str] | None) -> None:
+        if session is not None:
+            with self._lock:
+                self.sessions.setdefault(session, Session(session[0])).last_use = time.time()
+
+    # ------------------------------------------------------------------ deletion (any thread)
+
+    def forget(self, user: str | None = None, session_id: str | None = None) -> list[bytes]:
+        """Remove a session's (or a user's) blocks from T1 and T2; returns the keys removed. Blocks another
+        remaining session also holds are kept (and not returned)."""
+        with self._lock:
+            doomed = [
+                name
+                for name in self.sessions
+                if (user is None or name[0] == user) and (session_id is None or name[1] == session_id)
+            ]
+            keys: dict[bytes, None] = {}
+            for name in doomed:
+                keys.update(dict.fromkeys(self.sessions.pop(name).keys))
+            kept = {k for s in self.sessions.values() for k in s.keys}
+            removed = [k for k in keys if k not in kept]
+        for key in removed:
+            for store in (self.host, self.disk):
+                if store is not None:
+                    store.delete(key)
+        if doomed:
+            self._save_sessions()
+        return removed
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _run(self) -> None:
+        last_sweep = time.monotonic()
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                item = None
+                if time.monotonic() - last_sweep > 30:
+                    self.expire()
+                    last_sweep = time.monotonic()
+                continue
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception:  # the writer must outlive one bad block
+                _log.exception("KV write-through failed")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, key: bytes, block: torch.Tensor, session: tuple[str, str] | None) -> None:
+        data = encode(self.layout, key, block, self.codec)
+        for store in (self.host, self.disk):
+            if store is not None and store.put(key, data):
+                self.on_event("written", store.name, 1)
+        self.stats.written += 1
+        if session is not None:
+            with self._lock:
+                entry = self.sessions.setdefault(session, Session(session[0]))
+                entry.keys[key] = len(data)
+                entry.last_use = time.time()
+
+    def expire(self, now: float | None = None) -> int:
+        """Forget sessions idle for longer than `session_ttl`; returns how many."""
+        if self.session_ttl is None:
+            return 0
+        now = time.time() if now is None else now
+        with self._lock:
+            idle = [name for name, s in self.sessions.items() if now - s.last_use > self.session_ttl]
+        for user, session_id in idle:
+            self.forget(user, session_id)
+        return len(idle)
+
+    def flush(self) -> None:
+        """Wait until every queued block is written (tests, shutdown)."""
+        self._queue.join()
+        self._save_sessions()
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ the session index beside T2
+
+    def _sessions_path(self) -> Path | None:
+        return None if self.disk is None or not self.disk.enabled else self.disk.folder / SESSIONS_FILE
+
+    def _save_sessions(self) -> None:
+        path = self._sessions_path()
+        if path is None:
+            return
+        with self._lock:
+            data: dict[str, Any] = {
+                "format": 1,
+                "sessions": [
+                    {
+                        "user": u,
+                        "session": s,
+                        "last_use": v.last_use,
+                        "keys": {k.hex(): n for k, n in v.keys.items()},
+                    }
+                    for (u, s), v in self.sessions.items()
+                ],
+            }
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(data))
+            tmp.replace(path)
+        except OSError as exc:
+            _log.warning("KV session index not saved (%s)", exc)
+
+    def _load_sessions(self) -> None:
+        path = self._sessions_path()
+        if path is None or not path.is_file():
+            return
+        try:
+            data = json.loads(path.read_text())
+            for item in data["sessions"]:
+                keys = {bytes.fromhex(k): int(n) for k, n in item["keys"].items()}
+                self.sessions[(item["user"], item["session"])] = Session(
+                    item["user"], keys, float(item["last_use"])
+                )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            _log.warning("KV session index %s unreadable (%s); starting without it", path, exc)
