@@ -301,6 +301,7 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.metrics.ttft.observe(now - seq.arrival_time)
+            self.metrics.cached_prompt_tokens.inc(seq.cached_prompt_tokens)
         seq.last_token_time = now
         reason = None
         if not params.ignore_eos and token in self.eos_ids:

@@ -1,0 +1,341 @@
+"""Returning conversations: multi-turn ShareGPT replay against `qpack serve` with and without KV tiers.
+
+Sessions are real ShareGPT conversations with at least `--turns` user turns. Turn t of a session is sent as the
+whole conversation so far (its real earlier user and assistant messages) plus the next user message, through
+the chat endpoint, greedy, `--max-tokens` tokens, streamed so time to first token is measured. `--sessions`
+sessions are interleaved at `--concurrency` with `--think` seconds between a session's turns, against a pool
+too small to keep them (`--kv-memory`), so without tiers every turn recomputes its history.
+
+Runs, same requests each time, one server process each:
+1. `none`: no tiers (the baseline).
+2. `host`: T1 host memory (`--kv-host-memory`), and T2 on disk (`--kv-disk`).
+3. `restart`: a new server on the same T2 directory (T1 empty): the last turn of every session again; reports
+   the share of history blocks that loaded from disk.
+4. `corrupt`: like `restart`, after flipping bytes in `--corrupt` of the T2 files: outputs must not change, and
+   every damaged block read is counted.
+Then `store`: 10,000 synthetic sessions written through T1 and T2 directly (no model), RSS against the bounds.
+
+Greedy outputs of every run are compared with `none` token for token (as text).
+
+    python benchmarks/sessions.py out/perf/int8 --out out/sessions
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def conversations(count: int, turns: int, max_chars: int, seed: int) -> list[list[dict[str, str]]]:
+    """ShareGPT conversations with >= `turns` user turns, each message cut to `max_chars`, in alternating
+    user/assistant order, seeded sample."""
+    from calibrate.sources import default_queries_path, read_source
+
+    found = []
+    for conversation in read_source(default_queries_path()).conversations:
+        messages = [
+            {"role": m.role, "content": m.content[:max_chars]}
+            for m in conversation
+            if m.role in ("user", "assistant")
+        ]
+        alternating = all(m["role"] == ("user", "assistant")[i % 2] for i, m in enumerate(messages))
+        if (
+            alternating
+            and sum(m["role"] == "user" for m in messages) >= turns
+            and all(m["content"].strip() for m in messages)
+        ):
+            found.append(messages[: 2 * turns - 1])
+    random.Random(seed).shuffle(found)
+    return found[:count]
+
+
+def turn_request(messages: list[dict[str, str]], turn: int, session: int, max_tokens: int) -> dict[str, Any]:
+    return {
+        "messages": messages[: 2 * turn + 1],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "user": f"user-{session % 50}",
+        "session_id": f"session-{session}",
+    }
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    started = time.perf_counter()
+    first = None
+    text = []
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return {"error": f"HTTP {response.status_code}", "ttft": None, "text": ""}
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"]
+                if delta and delta[0].get("delta", {}).get("content"):
+                    first = first or time.perf_counter()
+                    text.append(delta[0]["delta"]["content"])
+    return {"ttft": (first or time.perf_counter()) - started, "text": "".join(text)}
+
+
+async def replay(
+    url: str,
+    sessions: list[list[dict[str, str]]],
+    turns: list[int],
+    concurrency: int,
+    think: float,
+    max_tokens: int,
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """Each session's `turns` in order, `think` seconds apart, sessions interleaved at `concurrency`."""
+    results: dict[tuple[int, int], dict[str, Any]] = {}
+    gate = asyncio.Semaphore(concurrency)
+
+    async def session(index: int, messages: list[dict[str, str]]) -> None:
+        await asyncio.sleep(index * think / max(len(sessions), 1))  # spread the first turns
+        for turn in turns:
+            async with gate:
+                results[(index, turn)] = await send(
+                    client, url, turn_request(messages, turn, index, max_tokens)
+                )
+            await asyncio.sleep(think)
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(session(i, m) for i, m in enumerate(sessions)))
+    return results
+
+
+class Server:
+    def __init__(self, artifact: Path, args: list[str], log: Path) -> None:
+        from serve.server import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "qpack", "serve", str(artifact), "--port", str(self.port), *args]
+        self.handle = open(log, "a")  # noqa: SIM115 - closed in stop()
+        self.handle.write(f"\n$ {' '.join(command)}\n")
+        self.handle.flush()
+        self.process = subprocess.Popen(command, stdout=self.handle, stderr=self.handle)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"server exited {self.process.returncode}; see {log}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit("server did not start")
+
+    def metrics(self) -> dict[str, float]:
+        values = {}
+        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                try:
+                    values[name] = float(value)
+                except ValueError:
+                    continue
+        return values
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=300)
+        self.handle.close()
+
+
+def summarize(results: dict[tuple[int, int], dict[str, Any]]) -> dict[str, Any]:
+    later = [r["ttft"] for (_, turn), r in results.items() if turn >= 1 and r.get("ttft") is not None]
+    first = [r["ttft"] for (_, turn), r in results.items() if turn == 0 and r.get("ttft") is not None]
+    return {
+        "requests": len(results),
+        "errors": sum(1 for r in results.values() if r.get("error")),
+        "ttft_p50_turns_ge_2_s": round(statistics.median(later), 3) if later else None,
+        "ttft_p50_turn_1_s": round(statistics.median(first), 3) if first else None,
+    }
+
+
+def mismatches(a: dict[tuple[int, int], dict[str, Any]], b: dict[tuple[int, int], dict[str, Any]]) -> int:
+    return sum(1 for key in b if key in a and a[key]["text"] != b[key]["text"])
+
+
+def history_blocks(sessions: list[list[dict[str, str]]], turn: int, tokenizer: Any, block_size: int) -> int:
+    """Full blocks of the prompts' earlier turns (what a returning session could load instead of recompute)."""
+    total = 0
+    for messages in sessions:
+        earlier = tokenizer.apply_chat_template(
+            messages[: 2 * turn], tokenize=False, add_generation_prompt=False
+        )
+        total += len(tokenizer(earlier, add_special_tokens=False)["input_ids"]) // block_size
+    return total
+
+
+def store_bound(out: Path, host_bytes: int, disk_bytes: int, sessions: int = 10_000) -> dict[str, Any]:
+    """10,000 sessions of 3 SmolLM2-shaped blocks through T1 and T2: RSS growth and disk use vs the bounds."""
+    import psutil
+    import torch
+
+    from serve.tiers.codec import BlockLayout
+    from serve.tiers.stores import DiskStore, HostStore
+    from serve.tiers.tiered import TieredKV
+
+    layout = BlockLayout(b"s" * 32, torch.float32, 8, 30, 3, 64)
+    folder = out / "store-t2"
+    shutil.rmtree(folder, ignore_errors=True)
+    process = psutil.Process()
+    base = process.memory_info().rss
+    tiers = TieredKV(layout, HostStore(host_bytes), DiskStore(folder, disk_bytes), queue_size=64)
+    block = torch.randn(layout.shape)
+    for index in range(sessions):
+        for part in range(3):
+            key = index.to_bytes(8, "little") + part.to_bytes(8, "little") + b"\0" * 16
+            while not tiers.offer(key, block, (f"user-{index % 100}", f"s{index}")):
+                time.sleep(0.001)
+    tiers.flush()
+    rss = process.memory_info().rss - base
+    disk = sum(p.stat().st_size for p in folder.glob("??/*.kv"))
+    return {
+        "sessions": sessions,
+        "rss_growth_mib": round(rss / 2**20, 1),
+        "host_bound_mib": round(host_bytes * 1.1 / 2**20, 1),
+        "disk_mib": round(disk / 2**20, 1),
+        "disk_bound_mib": round(disk_bytes / 2**20, 1),
+        "dropped_writes": tiers.stats.dropped,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "sessions")
+    parser.add_argument("--sessions", type=int, default=200)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--think", type=float, default=2.0)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-chars", type=int, default=400)
+    parser.add_argument("--kv-memory", default="64MB")
+    parser.add_argument("--kv-host-memory", default="2GB")
+    parser.add_argument("--kv-disk-size", default="4GB")
+    parser.add_argument("--corrupt", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "servers.log"
+    sessions = conversations(args.sessions, args.turns, args.max_chars, args.seed)
+    turns = list(range(args.turns))
+    disk = out / "t2"
+    shutil.rmtree(disk, ignore_errors=True)
+    base = ["--kv-memory", args.kv_memory, "--max-num-seqs", str(args.concurrency)]
+    tiered = [
+        *base,
+        "--kv-host-memory",
+        args.kv_host_memory,
+        "--kv-disk",
+        str(disk),
+        "--kv-disk-size",
+        args.kv_disk_size,
+    ]
+    results: dict[str, Any] = {
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "sessions": len(sessions),
+    }
+    runs: dict[str, Any] = {}
+    for name, server_args in (("none", base), ("host", tiered)):
+        server = Server(args.artifact, server_args, log)
+        started = time.perf_counter()
+        runs[name] = asyncio.run(
+            replay(server.url, sessions, turns, args.concurrency, args.think, args.max_tokens)
+        )
+        results[name] = {
+            **summarize(runs[name]),
+            "seconds": round(time.perf_counter() - started, 1),
+            "metrics": _tier_metrics(server.metrics()),
+        }
+        server.stop()
+        print(name, json.dumps(results[name]), flush=True)
+    results["host"]["ttft_speedup_turns_ge_2"] = round(
+        results["none"]["ttft_p50_turns_ge_2_s"] / results["host"]["ttft_p50_turns_ge_2_s"], 2
+    )
+    results["host"]["mismatches_vs_none"] = mismatches(runs["none"], runs["host"])
+    last = [args.turns - 1]
+    _restart_runs(args, sessions, last, tiered, disk, log, runs, results)
+    results["store"] = store_bound(out, _bytes(args.kv_host_memory) // 8, _bytes(args.kv_disk_size) // 8)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+def _restart_runs(
+    args: argparse.Namespace,
+    sessions: list[Any],
+    last: list[int],
+    tiered: list[str],
+    disk: Path,
+    log: Path,
+    runs: dict[str, Any],
+    results: dict[str, Any],
+) -> None:
+    """A fresh server on the same disk tier, the last turn of every session; then with damaged files."""
+    from quantize.models import load_tokenizer
+
+    tokenizer = load_tokenizer(args.artifact)
+    expected = history_blocks(sessions, last[0], tokenizer, 8)
+    for name in ("restart", "corrupt"):
+        if name == "corrupt":
+            files = sorted(disk.glob("??/*.kv"))
+            damaged = random.Random(args.seed).sample(files, max(1, int(len(files) * args.corrupt)))
+            for path in damaged:
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                path.write_bytes(bytes(data))
+        server = Server(args.artifact, [*tiered, "--kv-host-memory", "0"], log)
+        runs[name] = asyncio.run(replay(server.url, sessions, last, args.concurrency, 0.0, args.max_tokens))
+        metrics = _tier_metrics(server.metrics())
+        server.stop()
+        results[name] = {
+            **summarize(runs[name]),
+            "metrics": metrics,
+            "history_blocks": expected,
+            "disk_block_share": round(metrics.get("hits_disk", 0) / max(expected, 1), 3),
+            "mismatches_vs_none": mismatches(runs["none"], runs[name]),
+        }
+        if name == "corrupt":
+            results[name]["damaged_files"] = len(damaged)
+        print(name, json.dumps(results[name]), flush=True)
+
+
+def _tier_metrics(values: dict[str, float]) -> dict[str, float]:
+    picks = {
+        "hits_host": 'qpack_kv_tier_hits_total{tier="host"}',
+        "hits_disk": 'qpack_kv_tier_hits_total{tier="disk"}',
+        "misses": "qpack_kv_tier_misses_total",
+        "dropped": "qpack_kv_tier_dropped_writes_total",
+        "corrupt_disk": 'qpack_kv_tier_corrupt_blocks_total{tier="disk"}',
+        "cached_prompt_tokens": "qpack_prompt_tokens_cached_total",
+        "prompt_tokens": "qpack_prompt_tokens_total",
+    }
+    return {name: values.get(metric, 0.0) for name, metric in picks.items()}
+
+
+def _bytes(text: str) -> int:
+    from quantize.memory import parse_size
+
+    return parse_size(text, "size")
+
+
+if __name__ == "__main__":
+    main()
