@@ -12,6 +12,10 @@ export QPACK_MMLU_DIR ?= $(SHARED)/data/mmlu
 .PHONY: setup demo test lint format clean
 
 $(STAMP): pyproject.toml Makefile
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server (the fleet's tests start their own instances)"; \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; fi; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0

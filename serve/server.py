@@ -106,6 +106,7 @@ def describe(engine: Engine) -> str:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+ROLES = ("single", "gateway", "worker", "all")
 
 
 def _is_size(text: str) -> bool:
@@ -120,7 +121,7 @@ def _is_size(text: str) -> bool:
 class ServeOptions:
     """What `qpack serve` was asked for: the model, the address, and the engine's limits."""
 
-    target: str
+    target: str | None
     host: str = "127.0.0.1"
     port: int = 8000
     kv_memory: str = "512MB"
@@ -143,6 +144,49 @@ class ServeOptions:
     kv_codec: str = "zstd"
     session_ttl: float | None = None
     isolate_users: bool = False
+    redis: str | None = None
+    role: str = "single"
+    workers: int = 2
+    claim_idle: float = 10.0
+    threads: int | None = None
+
+    def worker_args(self) -> list[str]:
+        """The options a `--role all` gateway hands on to the workers it starts."""
+        args = [
+            "--kv-memory",
+            str(self.kv_memory),
+            "--block-size",
+            str(self.block_size),
+            "--kv-dtype",
+            self.kv_dtype,
+        ]
+        args += [
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+        ]
+        args += [
+            "--max-queue",
+            str(self.max_queue),
+            "--claim-idle",
+            str(self.claim_idle),
+            "--dtype",
+            self.dtype,
+        ]
+        args += [
+            "--kv-host-memory",
+            self.kv_host_memory,
+            "--kv-disk-size",
+            self.kv_disk_size,
+            "--kv-codec",
+            self.kv_codec,
+        ]
+        if self.kv_disk:
+            args += ["--kv-disk", self.kv_disk]
+        if self.max_model_len:
+            args += ["--max-model-len", str(self.max_model_len)]
+        return args
 
     def validate(self) -> None:
         """Every bad option at once, before anything is loaded."""
@@ -172,6 +216,16 @@ class ServeOptions:
                 f"--kv-host-memory {self.kv_host_memory!r} is not a size (e.g. 2GB)",
             ),
             (_is_size(self.kv_disk_size), f"--kv-disk-size {self.kv_disk_size!r} is not a size (e.g. 50GB)"),
+            (self.role in ROLES, f"--role must be one of {', '.join(ROLES)} (got {self.role!r})"),
+            (self.role == "single" or bool(self.redis), f"--role {self.role} needs --redis URL"),
+            (self.role != "single" or not self.redis, "--redis needs --role gateway, worker or all"),
+            (
+                self.role == "gateway" or bool(self.target),
+                "an artifact or model to serve is required (qpack serve ART)",
+            ),
+            (self.workers >= 1, "--workers must be at least 1"),
+            (self.threads is None or self.threads >= 1, "--threads must be at least 1"),
+            (self.claim_idle > 0, "--claim-idle must be > 0 seconds"),
         )
         problems = [message for ok, message in checks if not ok]
         if problems:
@@ -215,11 +269,39 @@ class ServeOptions:
 def run_server(
     options: ServeOptions, log: Callable[[str], None], warn: Callable[[str], None] = lambda _m: None
 ) -> None:
-    """Validate, load, build the engine (and warm a compiled one up), then serve until a signal drains it.
-    Progress and the served configuration go to `log`, risks to `warn`; keys are never logged."""
+    """Validate, then run the role: a single server (the default), a fleet gateway (no model), a fleet worker,
+    or a gateway with `--workers` workers beside it. Progress goes to `log`, risks to `warn`; keys never."""
     options.validate()
     keys = options.keys()
-    loaded = load_for_serving(options.target, options.dtype)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    info = ServerInfo("fleet", "", keys, options.request_timeout, options.max_request_bytes)
+    if options.host not in LOOPBACK and not keys:
+        warn(f"binding {options.host} without --api-key: anyone who can reach this port can use the model")
+    if keys:
+        log(f"API keys required: {len(keys)} accepted")
+    if options.role in ("gateway", "all"):
+        from serve.fleet.run import run_all, run_gateway
+
+        (run_gateway if options.role == "gateway" else run_all)(options, info, log)
+        return
+    if options.role == "worker":
+        from serve.fleet.run import check_redis
+
+        check_redis(options.redis or "")
+    loaded, engine = _start_engine(options, log)
+    if options.role == "worker":
+        from serve.fleet.run import run_worker
+
+        run_worker(options, engine, loaded, log)
+        return
+    log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1; /health, /metrics)")
+    info = ServerInfo(loaded.name, loaded.version, keys, options.request_timeout, options.max_request_bytes)
+    serve_forever(engine, info, options.host, options.port)
+
+
+def _start_engine(options: ServeOptions, log: Callable[[str], None]) -> tuple[LoadedModel, Engine]:
+    loaded = load_for_serving(options.target or "", options.dtype)
     log("loading the native decode kernels (built once per machine: ~1 min the first time)...")
     engine = build_engine(loaded, options.engine_config())
     if options.compile:
@@ -227,13 +309,7 @@ def run_server(
         engine.warmup()
     log(f"qpack serve {loaded.name} v{loaded.version} ({loaded.source})")
     log(describe(engine))
-    log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1; /health, /metrics)")
-    if keys:
-        log(f"API keys required: {len(keys)} accepted")
-    if options.host not in LOOPBACK and not keys:
-        warn(f"binding {options.host} without --api-key: anyone who can reach this port can use the model")
-    info = ServerInfo(loaded.name, loaded.version, keys, options.request_timeout, options.max_request_bytes)
-    serve_forever(engine, info, options.host, options.port)
+    return loaded, engine
 
 
 class _DrainingServer:
@@ -262,8 +338,33 @@ class _DrainingServer:
 def serve_forever(
     engine: Engine, info: ServerInfo, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning"
 ) -> None:
-    app = create_app(engine, info)
+    serve_app(create_app(engine, info), host, port, log_level)
+
+
+def serve_app(app: Any, host: str, port: int, log_level: str = "warning") -> None:
+    """Run an app (needs `app.state.start_draining`) until a signal drains it."""
     _DrainingServer(app, host, port, log_level).run()
+
+
+def worker_app(engine: Engine, worker: Any) -> Any:
+    """A fleet worker's own HTTP face: `/health` and `/metrics` (the engine's, plus claims)."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, Response
+
+    app = FastAPI(title="qpack fleet worker")
+    app.state.start_draining = lambda: None
+
+    @app.get("/health")
+    async def health() -> Response:
+        load = {"running": len(engine.scheduler.running), "waiting": engine.scheduler.num_waiting}
+        return JSONResponse({"status": "ok", "worker": worker.config.worker_id, **load})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        claims = f"# TYPE qpack_fleet_claims_total counter\nqpack_fleet_claims_total {worker.claimed}\n"
+        return Response(engine.metrics.render() + claims.encode(), media_type="text/plain; version=0.0.4")
+
+    return app
 
 
 def free_port() -> int:
@@ -273,16 +374,17 @@ def free_port() -> int:
 
 
 class BackgroundServer:
-    """A server on a thread (tests, benchmarks): `with BackgroundServer(engine, info) as url: ...`."""
+    """A server on a thread (tests, benchmarks, a fleet worker's /metrics): `with BackgroundServer(engine, info)
+    as url: ...`, or any app: `BackgroundServer(app)`."""
 
-    def __init__(self, engine: Engine, info: ServerInfo, port: int | None = None) -> None:
+    def __init__(
+        self, app: Any, info: ServerInfo | None = None, port: int | None = None, host: str = "127.0.0.1"
+    ) -> None:
         import uvicorn
 
-        self.app = create_app(engine, info)
+        self.app = create_app(app, info) if isinstance(app, Engine) and info is not None else app
         self.port = port or free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error")
-        )
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

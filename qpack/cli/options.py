@@ -157,6 +157,32 @@ IsolateUsers = Annotated[
         "--isolate-users", help="Salt prefix caching by each request's `user`: no sharing across users."
     ),
 ]
+ServeTarget = Annotated[
+    str | None,
+    typer.Argument(
+        help="Artifact directory, or a model (HF folder, .gguf, Hub id, alias); not needed by --role gateway."
+    ),
+]
+Redis = Annotated[
+    str | None,
+    typer.Option("--redis", help="Redis URL of the fleet's queue (redis://127.0.0.1:6379/0); needs --role."),
+]
+Role = Annotated[
+    str,
+    typer.Option(
+        "--role",
+        help="single (one process, no Redis), gateway (API, no model), worker (engine behind Redis), "
+        "or all (gateway + --workers workers here).",
+    ),
+]
+Workers = Annotated[int, typer.Option("--workers", help="Workers --role all starts beside its gateway.")]
+ClaimIdle = Annotated[
+    float,
+    typer.Option("--claim-idle", help="Seconds before a dead worker's requests are taken over by another."),
+]
+Threads = Annotated[
+    int | None, typer.Option("--threads", help="Compute threads of this process (default: torch's).")
+]
 Compile = Annotated[
     bool,
     typer.Option(

@@ -11,7 +11,7 @@ from qpack.cli.app import app, output, run
 @app.command(help="Serve an artifact with continuous batching over a paged KV cache (OpenAI API).")
 def serve(
     ctx: typer.Context,
-    target: opt.Target,
+    target: opt.ServeTarget = None,
     host: opt.Host = "127.0.0.1",
     port: opt.Port = 8000,
     kv_memory: opt.KVMemory = "512MB",
@@ -34,6 +34,11 @@ def serve(
     session_ttl: opt.SessionTTL = None,
     isolate_users: opt.IsolateUsers = False,
     compile_decode: opt.Compile = False,
+    redis: opt.Redis = None,
+    role: opt.Role = "single",
+    workers: opt.Workers = 2,
+    claim_idle: opt.ClaimIdle = 10.0,
+    threads: opt.Threads = None,
 ) -> None:
     from serve.server import ServeOptions, run_server
 
@@ -62,6 +67,11 @@ def serve(
         kv_codec=kv_codec,
         session_ttl=session_ttl,
         isolate_users=isolate_users,
+        redis=redis,
+        role=role,
+        workers=workers,
+        claim_idle=claim_idle,
+        threads=threads,
     )
     log = (lambda _m: None) if out.quiet else (lambda m: out.stderr.print(m, highlight=False, markup=False))
     run(out, lambda: run_server(options, log, out.warn))

@@ -63,4 +63,7 @@ class Chunks:
         return self._event(choices=[choice])
 
     def usage(self, final: RequestOutput) -> str:
-        return self._event(choices=[], usage=usage(final))
+        return self.usage_event(usage(final))
+
+    def usage_event(self, counts: dict[str, Any]) -> str:
+        return self._event(choices=[], usage=counts)

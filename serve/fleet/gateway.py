@@ -1,0 +1,438 @@
+"""The fleet's front door: the OpenAI API with no model loaded, in front of Redis and any number of workers.
+
+Per request: the same guard and validation as `qpack serve` (API keys, body size, every field checked), then a
+concrete seed (so a regeneration after a worker's death reproduces the same tokens), a deadline, and a target
+stream. Routing: a request with a session (`session_id`, else `user`, else the start of its prompt, standing
+for its first prefix block) goes to the live worker that a consistent-hash ring over the model's live workers
+assigns it, where its KV is most likely still cached; when that worker is full or gone it goes to the model's
+shared stream, which whichever worker has room reads first (the least loaded, in effect). The gateway then
+reads the request's response stream, forwarding each chunk whose token count is past what the client already
+has: a regenerated answer resumes the client's stream with no duplicate and no gap, and is answered once.
+
+Back-pressure and health: 429 + Retry-After when the model's undelivered requests exceed `max_queue`; 503 +
+Retry-After when no live worker serves the model or Redis cannot be reached (a Redis outage during a request is
+waited out, with backoff, until the request's deadline). `/v1/models` lists what live workers announce;
+`/metrics` has queue depth, per-worker load and failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from serve.fleet import protocol as P
+from serve.openai import render
+from serve.openai.protocol import ApiError, GenerationRequest, parse_json, parse_request
+from serve.openai.routes import Guard, ServerInfo, error_response
+
+_log = logging.getLogger("qpack.fleet")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    redis_url: str
+    max_queue: int = 256
+    request_timeout: float = 600.0
+    info: ServerInfo = field(default_factory=lambda: ServerInfo("fleet", ""))
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.queue_depth = Gauge(
+            "qpack_fleet_queue_depth", "Requests queued, not yet taken", ["model"], registry=r
+        )
+        self.worker_load = Gauge(
+            "qpack_fleet_worker_load", "Requests in flight per worker", ["worker"], registry=r
+        )
+        self.workers = Gauge("qpack_fleet_live_workers", "Live workers", ["model"], registry=r)
+        self.requests = Counter("qpack_fleet_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.regenerations = Counter(
+            "qpack_fleet_regenerations", "Answers resumed from another worker after one died", registry=r
+        )
+        self.redis_errors = Counter("qpack_fleet_redis_errors", "Redis calls that failed", registry=r)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        import redis.asyncio as aioredis
+
+        self.config = config
+        self.redis = aioredis.Redis.from_url(config.redis_url, socket_timeout=5, socket_connect_timeout=3)
+        self.metrics = GatewayMetrics()
+        self._workers: tuple[float, list[P.WorkerInfo]] = (0.0, [])
+
+    async def live_workers(self) -> list[P.WorkerInfo]:
+        """Workers whose heartbeat is fresh (cached for half a second)."""
+        cached_at, workers = self._workers
+        if time.monotonic() - cached_at < 0.5:
+            return workers
+        ids = [v.decode() for v in await self.redis.hkeys(P.WORKERS)]
+        pipe = self.redis.pipeline()
+        for worker in ids:
+            pipe.hgetall(P.worker_key(worker))
+        found = [P.WorkerInfo.parse(fields) for fields in await pipe.execute()]
+        now = time.time()
+        workers = [w for w in found if w is not None and now - w.last_seen < 5.0]
+        self._workers = (time.monotonic(), workers)
+        for worker in workers:
+            self.metrics.worker_load.labels(worker=worker.worker_id).set(worker.load)
+        return workers
+
+    async def queue_depth(self, model: str) -> int:
+        """Entries of the model's streams that no worker has taken yet: their length less their pending entries
+        (workers delete what they answered, so a stream holds only queued and in-flight requests)."""
+        streams = [
+            P.model_stream(model),
+            *(P.worker_stream(w.worker_id) for w in await self.live_workers() if w.model == model),
+        ]
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xlen(stream)
+            pipe.xpending(stream, P.GROUP)
+        replies = await pipe.execute(raise_on_error=False)
+        depth = 0
+        for length, pending in zip(replies[::2], replies[1::2], strict=True):
+            taken = pending.get("pending", 0) if isinstance(pending, dict) else 0
+            depth += max(0, int(length) - int(taken)) if isinstance(length, int) else 0
+        self.metrics.queue_depth.labels(model=model).set(depth)
+        return depth
+
+    def route(self, request: P.FleetRequest, workers: list[P.WorkerInfo]) -> str:
+        """The session's worker on the consistent-hash ring, when it has room; else the shared stream."""
+        owner = ring_owner(request.session, workers) if request.session else None
+        if owner is None or owner.room <= 0:
+            return P.model_stream(request.model)
+        return P.worker_stream(owner.worker_id)
+
+    async def submit(self, body: dict[str, Any], chat: bool) -> tuple[P.FleetRequest, GenerationRequest]:
+        parsed = parse_request(body, chat)
+        workers = await self.live_workers()
+        models = sorted({w.model for w in workers})
+        model = body.get("model") or (models[0] if len(models) == 1 else None)
+        serving = [w for w in workers if w.model == model]
+        if not serving:
+            name = model or "any model"
+            raise ApiError(
+                503,
+                f"no live worker serves {name} (models: {', '.join(models) or 'none'})",
+                "model",
+                kind="unavailable",
+            )
+        if await self.queue_depth(model) >= self.config.max_queue:
+            raise ApiError(
+                429,
+                f"the fleet queue for {model} is full; retry later",
+                code="queue_full",
+                kind="rate_limit_error",
+            )
+        request = P.FleetRequest(
+            request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            model=model,
+            chat=chat,
+            body={k: v for k, v in body.items() if k != "model"},
+            seed=parsed.seed if parsed.seed is not None else P.new_seed(),
+            deadline=time.time() + self.config.request_timeout,
+            priority=parsed.priority,
+            session=_session(body, parsed),
+        )
+        await self.redis.xadd(self.route(request, serving), request.encode())
+        return request, parsed
+
+    async def chunks(self, request: P.FleetRequest) -> AsyncIterator[P.Chunk]:
+        """The request's answer, each token once: chunks a regeneration repeats are skipped."""
+        last, delivered, workers = "0-0", -1, set()
+        backoff = 0.2
+        while True:
+            timeout_ms = int(max(0.0, request.deadline - time.time()) * 1000)
+            if timeout_ms <= 0:
+                yield P.Chunk("error", status=504, error={"message": "request timed out", "type": "timeout"})
+                return
+            try:
+                reply = await self.redis.xread(
+                    {P.response_stream(request.request_id): last}, block=min(timeout_ms, 2000), count=64
+                )
+                backoff = 0.2
+            except Exception:
+                self.metrics.redis_errors.inc()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    chunk = P.Chunk.decode(fields)
+                    workers.add(chunk.worker)
+                    if chunk.kind in ("done", "error"):
+                        if len(workers) > 1:
+                            self.metrics.regenerations.inc()
+                        await self._forget(request)
+                        yield chunk
+                        return
+                    if chunk.kind == "delta" and chunk.tokens > delivered:
+                        delivered = chunk.tokens
+                        yield chunk
+                    elif chunk.kind == "accepted" and delivered < 0:
+                        delivered = 0
+                        yield chunk
+
+    async def _forget(self, request: P.FleetRequest) -> None:
+        try:
+            await self.redis.delete(P.response_stream(request.request_id))
+        except Exception:  # it expires on its own
+            self.metrics.redis_errors.inc()
+
+    async def cancel(self, request: P.FleetRequest) -> None:
+        try:
+            await self.redis.set(P.cancel_key(request.request_id), b"1", ex=600)
+        except Exception:
+            self.metrics.redis_errors.inc()
+
+
+def ring_owner(session: str, workers: list[P.WorkerInfo], points: int = 64) -> P.WorkerInfo | None:
+    """The worker owning `session` on a consistent-hash ring (`points` per worker): a worker joining or leaving
+    moves only the sessions it takes or held, so KV caches elsewhere stay warm."""
+    if not workers:
+        return None
+    ring = sorted(
+        ((_point(f"{w.worker_id}#{v}"), w) for w in workers for v in range(points)), key=lambda p: p[0]
+    )
+    index = bisect.bisect([point for point, _ in ring], _point(session)) % len(ring)
+    return ring[index][1]
+
+
+def _point(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def _session(body: dict[str, Any], parsed: GenerationRequest) -> str | None:
+    """What routes a request to the worker holding its KV: the session, the user, or the prompt's start."""
+    if parsed.session_id or parsed.user:
+        return f"{parsed.user or ''}/{parsed.session_id or ''}"
+    text = (
+        parsed.prompt if isinstance(parsed.prompt, str) else (parsed.messages or [{}])[0].get("content", "")
+    )
+    return f"prefix/{hashlib.sha256(str(text)[:256].encode()).hexdigest()}" if text else None
+
+
+def create_gateway_app(gateway: Gateway) -> FastAPI:
+    info = gateway.config.info
+    state = {"draining": False}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        state["draining"] = True
+        await gateway.redis.aclose()
+
+    app = FastAPI(title="qpack fleet gateway", lifespan=lifespan)
+    app.state.start_draining = lambda: state.update(draining=True)
+    app.add_middleware(Guard, info=info, draining=lambda: state["draining"])
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _respond(gateway, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _respond(gateway, request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return _models(await gateway.live_workers())
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await gateway.redis.ping()
+            workers = await gateway.live_workers()
+        except Exception:
+            return JSONResponse({"status": "redis unreachable"}, status_code=503)
+        if state["draining"] or not workers:
+            return JSONResponse(
+                {"status": "draining" if state["draining"] else "no workers"}, status_code=503
+            )
+        return JSONResponse({"status": "ok", "workers": len(workers)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        for model in {w.model for w in await gateway.live_workers()}:
+            gateway.metrics.workers.labels(model=model).set(
+                sum(1 for w in gateway._workers[1] if w.model == model)
+            )
+            await gateway.queue_depth(model)
+        return Response(generate_latest(gateway.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _respond(gateway: Gateway, request: Request, chat: bool) -> Response:
+    """Queue one completion and answer it: SSE when `stream`, else one JSON body."""
+    try:
+        body = parse_json(await request.body())
+        fleet_request, parsed = await gateway.submit(body, chat)
+    except ApiError as error:
+        gateway.metrics.requests.labels(outcome=str(error.status)).inc()
+        return error_response(error)
+    except Exception as exc:
+        gateway.metrics.redis_errors.inc()
+        _log.warning("fleet gateway: cannot queue a request: %r", exc)
+        return error_response(
+            ApiError(503, "the fleet's queue (Redis) is unreachable; retry", kind="unavailable")
+        )
+    stream = gateway.chunks(fleet_request)
+    first = await anext(stream)
+    if first.kind == "error":
+        gateway.metrics.requests.labels(outcome=str(first.status)).inc()
+        return _chunk_error(first)
+    created = int(time.time())
+    headers = {"x-qpack-worker": first.worker}
+    if parsed.stream:
+        return StreamingResponse(
+            _events(
+                gateway,
+                fleet_request,
+                stream,
+                render.Chunks(fleet_request.request_id, chat, created, fleet_request.model),
+                parsed,
+            ),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **headers},
+        )
+    response = await _whole(gateway, request, fleet_request, stream, chat, created)
+    response.headers.update(headers)
+    return response
+
+
+def _models(workers: list[P.WorkerInfo]) -> dict[str, Any]:
+    """`/v1/models`: each model live workers announce, with its version, content hash and worker count."""
+    by_model: dict[str, list[P.WorkerInfo]] = {}
+    for worker in workers:
+        by_model.setdefault(worker.model, []).append(worker)
+    data = [
+        {
+            "id": m,
+            "object": "model",
+            "owned_by": "qpack",
+            "version": ws[0].version,
+            "content_hash": ws[0].content_hash,
+            "workers": len(ws),
+        }
+        for m, ws in sorted(by_model.items())
+    ]
+    return {"object": "list", "data": data}
+
+
+async def _whole(
+    gateway: Gateway,
+    request: Request,
+    fleet_request: P.FleetRequest,
+    stream: AsyncIterator[P.Chunk],
+    chat: bool,
+    created: int,
+) -> Response:
+    """A non-streaming answer; a client that goes away cancels the request on its worker."""
+    text: list[str] = []
+    reader = asyncio.ensure_future(_collect(stream, text))
+    gone = asyncio.ensure_future(_disconnect(request))
+    await asyncio.wait({reader, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not reader.done():
+        reader.cancel()
+        await gateway.cancel(fleet_request)
+        return error_response(ApiError(499, "client disconnected"))
+    gone.cancel()
+    final = reader.result()
+    if final.kind == "error":
+        gateway.metrics.requests.labels(outcome=str(final.status)).inc()
+        return _chunk_error(final)
+    gateway.metrics.requests.labels(outcome="200").inc()
+    usage = final.usage or {}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish_reason}
+    joined = "".join(text)
+    choice.update(
+        {"message": {"role": "assistant", "content": joined}} if chat else {"text": joined, "logprobs": None}
+    )
+    return JSONResponse(
+        {
+            "id": fleet_request.request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": fleet_request.model,
+            "choices": [choice],
+            "usage": usage,
+        }
+    )
+
+
+def _chunk_error(chunk: P.Chunk) -> Response:
+    error = chunk.error or {}
+    status = chunk.status or 500
+    return error_response(
+        ApiError(
+            status,
+            str(error.get("message") or "request failed"),
+            error.get("param"),
+            error.get("code"),
+            str(error.get("type") or "server_error"),
+        )
+    )
+
+
+async def _collect(stream: AsyncIterator[P.Chunk], text: list[str]) -> P.Chunk:
+    async for chunk in stream:
+        if chunk.kind == "delta":
+            text.append(chunk.text)
+        elif chunk.kind in ("done", "error"):
+            if chunk.kind == "done":
+                text.append(chunk.text)
+            return chunk
+    return P.Chunk("error", status=500, error={"message": "the answer ended early", "type": "server_error"})
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(
+    gateway: Gateway,
+    fleet_request: P.FleetRequest,
+    stream: AsyncIterator[P.Chunk],
+    chunks: render.Chunks,
+    parsed: GenerationRequest,
+) -> AsyncIterator[str]:
+    finished = False
+    try:
+        if parsed.chat:
+            yield chunks.role()
+        async for chunk in stream:
+            if chunk.kind == "delta" and chunk.text:
+                yield chunks.delta(chunk.text, None)
+            elif chunk.kind == "done":
+                finished = True
+                yield chunks.delta(chunk.text, chunk.finish_reason)
+                if parsed.include_usage and chunk.usage:
+                    yield chunks.usage_event(chunk.usage)
+                gateway.metrics.requests.labels(outcome="200").inc()
+                break
+            elif chunk.kind == "error":
+                finished = True
+                yield chunks.delta(None, "error")
+                gateway.metrics.requests.labels(outcome=str(chunk.status)).inc()
+                break
+        yield render.DONE
+    finally:
+        if not finished:
+            await gateway.cancel(fleet_request)

@@ -1,0 +1,147 @@
+"""What gateways and workers say to each other through Redis: key names and message shapes.
+
+Layout (all keys under `qpack:`):
+- `worker:{id}`: a hash a worker refreshes every second (model name, version, content hash, capacity, load,
+  last seen) with a short TTL; `workers` maps every worker id seen to its model (kept after a worker dies, so
+  its leftover entries go to a worker of the same model; stale ones are skipped, empty ones removed).
+- `w:{id}`: a worker's own request stream (sessions routed to it); `m:{model}`: the model's shared stream
+  (requests without a session, or whose worker is full or gone). Both have the consumer group `workers`:
+  a worker reads its own stream and its model's shared stream with XREADGROUP, only as many entries as its
+  scheduler has room for, and XACKs an entry when the request is answered. Entries a dead worker left pending
+  are claimed by another worker with XAUTOCLAIM once idle for `claim_idle` (live workers re-claim their own
+  in-flight entries to themselves every few seconds, which resets the idle clock, so only a dead or stuck
+  worker's entries ever go idle that long).
+- `resp:{request id}`: the request's response stream, one entry per output chunk, read by the gateway with
+  XREAD from where it stopped. A per-request stream rather than pub/sub: entries persist until read (a gateway
+  that reconnects, or a request whose worker died and whose regeneration starts over, reads from an index and
+  loses nothing), and each chunk carries the number of tokens generated so far, so the gateway forwards only
+  what it has not delivered: a regeneration with the same seed produces the same chunks, and the client sees
+  no duplicate and no gap.
+- `cancel:{request id}`: set by a gateway whose client went away; the worker aborts the request.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PREFIX = "qpack:"
+GROUP = "workers"
+WORKERS = PREFIX + "workers"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"{PREFIX}worker:{worker_id}"
+
+
+def worker_stream(worker_id: str) -> str:
+    return f"{PREFIX}w:{worker_id}"
+
+
+def model_stream(model: str) -> str:
+    return f"{PREFIX}m:{model}"
+
+
+def response_stream(request_id: str) -> str:
+    return f"{PREFIX}resp:{request_id}"
+
+
+def cancel_key(request_id: str) -> str:
+    return f"{PREFIX}cancel:{request_id}"
+
+
+@dataclass
+class FleetRequest:
+    """A request as a gateway queues it: the parsed OpenAI body, with everything that must not vary between a
+    first run and a regeneration fixed (the seed, the deadline)."""
+
+    request_id: str
+    model: str
+    chat: bool
+    body: dict[str, Any]
+    seed: int
+    deadline: float  # unix time
+    priority: int = 0
+    session: str | None = None
+    created: float = field(default_factory=time.time)
+
+    def encode(self) -> dict[str, str]:
+        return {"request": json.dumps(asdict(self))}
+
+    @classmethod
+    def decode(cls, fields: dict[bytes | str, bytes | str]) -> FleetRequest:
+        raw = fields.get(b"request", fields.get("request"))
+        if isinstance(raw, bytes):
+            raw = raw.decode()
+        return cls(**json.loads(str(raw)))
+
+
+def new_seed() -> int:
+    return secrets.randbelow(2**62)
+
+
+@dataclass
+class Chunk:
+    """One entry of a response stream. kind: `accepted` (the worker validated and queued it), `delta` (text and
+    the tokens generated so far), `done` (finish reason and usage) or `error` (HTTP status and message)."""
+
+    kind: str
+    tokens: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    status: int = 0
+    error: dict[str, Any] | None = None
+    worker: str = ""
+    attempt: int = 1
+
+    def encode(self) -> dict[str, str]:
+        return {
+            "chunk": json.dumps(
+                {k: v for k, v in asdict(self).items() if v not in (None, "", 0) or k == "tokens"}
+            )
+        }
+
+    @classmethod
+    def decode(cls, fields: dict[bytes | str, bytes | str]) -> Chunk:
+        raw = fields.get(b"chunk", fields.get("chunk"))
+        if isinstance(raw, bytes):
+            raw = raw.decode()
+        return cls(**json.loads(str(raw)))
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    model: str
+    version: str
+    content_hash: str
+    capacity: int
+    load: int
+    last_seen: float
+
+    @property
+    def room(self) -> int:
+        return max(0, self.capacity - self.load)
+
+    def fields(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def parse(cls, fields: dict[bytes, bytes]) -> WorkerInfo | None:
+        try:
+            data = {k.decode(): v.decode() for k, v in fields.items()}
+            return cls(
+                data["worker_id"],
+                data["model"],
+                data["version"],
+                data["content_hash"],
+                int(data["capacity"]),
+                int(data["load"]),
+                float(data["last_seen"]),
+            )
+        except (KeyError, ValueError, UnicodeDecodeError):
+            return None

@@ -1,0 +1,380 @@
+"""A fleet worker: one engine that takes its work from Redis streams and streams its answers back.
+
+The worker pulls, never gets pushed: each loop it reads (XREADGROUP) at most as many new entries as its
+scheduler has room for, from its own stream (requests of sessions routed to it) and its model's shared stream.
+It validates and tokenizes each request exactly as `qpack serve` does (`serve.openai`), answers `accepted` (or an
+`error` with the HTTP status the gateway should return), and every output of the engine becomes a chunk on the
+request's response stream, written by a sender thread so the engine thread never waits on the network. When a
+request is answered its entry is XACKed. A heartbeat hash (model, version, content hash, capacity, load) is
+refreshed every second with a short TTL; in-flight entries are re-claimed to this worker every few seconds
+(which resets their idle time), and entries that a dead worker left pending are claimed once idle for
+`claim_idle` seconds and generated again from the start, with the same seed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve.engine import Engine, QueueFull, RequestOutput
+from serve.fleet import protocol as P
+from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids
+from serve.openai.protocol import ApiError, parse_request, sampling_params
+from serve.openai.render import usage as _usage
+
+_log = logging.getLogger("qpack.fleet")
+
+
+@dataclass
+class WorkerConfig:
+    redis_url: str
+    name: str
+    version: str
+    content_hash: str
+    worker_id: str = field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    )
+    heartbeat_s: float = 1.0
+    ttl_s: float = 4.0
+    claim_idle_s: float = 10.0
+    request_timeout: float = 600.0
+    write_patience_s: float = 30.0
+
+
+@dataclass
+class _InFlight:
+    stream: str
+    entry_id: str
+    attempt: int
+
+
+class FleetWorker:
+    def __init__(self, engine: Engine, config: WorkerConfig) -> None:
+        import redis
+
+        self.engine, self.config = engine, config
+        self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=10, socket_connect_timeout=5)
+        self.own = P.worker_stream(config.worker_id)
+        self.shared = P.model_stream(config.name)
+        self.capacity = engine.config.max_num_seqs + engine.config.max_queue // 4
+        self.inflight: dict[str, _InFlight] = {}
+        self.claimed = 0
+        self._chunks: queue.Queue[tuple[str, P.Chunk, _InFlight | None] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.vocab = int(engine.model.config.vocab_size)  # type: ignore[attr-defined]
+        self.max_chars = engine.max_model_len * longest_token_chars(engine.tokenizer)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self, stop: threading.Event) -> None:
+        """Serve until `stop` is set; Redis outages are waited out with backoff, never fatal."""
+        engine_stop = threading.Event()
+        threads = [
+            threading.Thread(target=self.engine.run, args=(engine_stop,), name="qpack-engine", daemon=True),
+            threading.Thread(target=self._send_loop, name="qpack-fleet-sender", daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+        backoff = 0.5
+        last_claim = 0.0
+        while not stop.is_set():
+            try:
+                self._ensure_groups()
+                self._heartbeat()
+                if time.monotonic() - last_claim > self.config.claim_idle_s / 3:
+                    self._refresh_and_claim()
+                    last_claim = time.monotonic()
+                self._check_cancels()
+                self._read_new()
+                backoff = 0.5
+            except Exception as exc:  # redis down or flapping: keep generating what we have, retry
+                _log.warning("fleet worker: Redis unavailable (%s); retrying in %.1f s", exc, backoff)
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+        self._stopping.set()
+        self._chunks.put(None)
+        engine_stop.set()
+        self.engine.wake()
+        for thread in threads:
+            thread.join(timeout=10)
+
+    def _ensure_groups(self) -> None:
+        import redis
+
+        for stream in (self.own, self.shared):
+            try:
+                self.redis.xgroup_create(stream, P.GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def _heartbeat(self) -> None:
+        info = P.WorkerInfo(
+            self.config.worker_id,
+            self.config.name,
+            self.config.version,
+            self.config.content_hash,
+            self.capacity,
+            len(self.inflight),
+            time.time(),
+        )
+        pipe = self.redis.pipeline()
+        pipe.hset(P.worker_key(self.config.worker_id), mapping=info.fields())
+        pipe.expire(P.worker_key(self.config.worker_id), max(1, int(self.config.ttl_s)))
+        pipe.hset(P.WORKERS, self.config.worker_id, self.config.name)
+        pipe.execute()
+
+    # ------------------------------------------------------------------ taking work
+
+    def _read_new(self) -> None:
+        room = self.capacity - len(self.inflight)
+        if room <= 0:
+            time.sleep(0.02)
+            return
+        reply = self.redis.xreadgroup(
+            P.GROUP, self.config.worker_id, {self.own: ">", self.shared: ">"}, count=room, block=100
+        )
+        for stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self._start(_text(stream), _text(entry_id), fields, attempt=1)
+
+    def _refresh_and_claim(self) -> None:
+        """Reset the idle clock of our own in-flight entries, then take over entries left by dead workers."""
+        with self._lock:
+            by_stream: dict[str, list[str]] = {}
+            for item in self.inflight.values():
+                by_stream.setdefault(item.stream, []).append(item.entry_id)
+        for stream, ids in by_stream.items():
+            self.redis.xclaim(stream, P.GROUP, self.config.worker_id, 0, ids, justid=True)
+        idle_ms = int(self.config.claim_idle_s * 1000)
+        dead = self._dead_worker_streams()
+        for stream in dead:
+            self._adopt(stream)
+        for stream in [self.shared, *dead]:
+            room = self.capacity - len(self.inflight)
+            if room <= 0:
+                return
+            try:
+                _next, entries, *_ = self.redis.xautoclaim(
+                    stream, P.GROUP, self.config.worker_id, idle_ms, "0-0", count=room
+                )
+            except Exception as exc:  # a stream without the group (a worker that never started): skip it
+                _log.debug("cannot claim from %s: %s", stream, exc)
+                continue
+            for entry_id, fields in entries:
+                if fields:
+                    self.claimed += 1
+                    self._start(stream, _text(entry_id), fields, attempt=2)
+
+    def _dead_worker_streams(self) -> list[str]:
+        """Streams of workers of this model whose heartbeat stopped."""
+        streams = []
+        for raw_id, raw_model in self.redis.hgetall(P.WORKERS).items():
+            worker = _text(raw_id)
+            if worker == self.config.worker_id or _text(raw_model) != self.config.name:
+                continue
+            info = P.WorkerInfo.parse(self.redis.hgetall(P.worker_key(worker)))
+            if info is None or time.time() - info.last_seen > self.config.ttl_s:
+                stream = P.worker_stream(worker)
+                if self.redis.exists(stream):
+                    streams.append(stream)
+                else:
+                    self.redis.hdel(P.WORKERS, worker)
+        return streams
+
+    def _adopt(self, stream: str) -> None:
+        """Take the entries routed to a dead worker that it never read (they are not pending, so no claim finds
+        them); forget its stream once it is empty."""
+        room = self.capacity - len(self.inflight)
+        if room > 0:
+            reply = self.redis.xreadgroup(P.GROUP, self.config.worker_id, {stream: ">"}, count=room)
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    self._start(stream, _text(entry_id), fields, attempt=1)
+        if self.redis.xlen(stream) == 0:
+            self.redis.delete(stream)
+            self.redis.hdel(P.WORKERS, stream.removeprefix(P.worker_stream("")))
+
+    def _start(self, stream: str, entry_id: str, fields: Any, attempt: int) -> None:
+        try:
+            request = P.FleetRequest.decode(fields)
+        except (ValueError, TypeError, KeyError) as exc:
+            _log.warning("dropping a malformed fleet entry %s: %s", entry_id, exc)
+            self.redis.xack(stream, P.GROUP, entry_id)
+            return
+        if request.request_id in self.inflight:
+            return  # already ours (a claim racing our own read)
+        if request.model != self.config.name:  # adopted from a worker of another model: hand it back
+            pipe = self.redis.pipeline()
+            pipe.xadd(P.model_stream(request.model), request.encode())
+            pipe.xack(stream, P.GROUP, entry_id)
+            pipe.xdel(stream, entry_id)
+            pipe.execute()
+            return
+        item = _InFlight(stream, entry_id, attempt)
+        try:
+            prompt_tokens = self._admit(request, item)
+        except ApiError as error:
+            with self._lock:
+                self.inflight.pop(request.request_id, None)
+            self._reply(
+                request.request_id, P.Chunk("error", status=error.status, error=error.body()["error"]), item
+            )
+            return
+        self._send(
+            request.request_id,
+            P.Chunk("accepted", tokens=0, usage={"prompt_tokens": prompt_tokens}, attempt=attempt),
+        )
+
+    def _admit(self, request: P.FleetRequest, item: _InFlight) -> int:
+        """Validate, tokenize and queue the request on the engine; ApiError carries what the client gets."""
+        if time.time() > request.deadline:
+            raise ApiError(504, "request timed out", kind="timeout")
+        ids, params = self._prepare(request)
+        with self._lock:
+            self.inflight[request.request_id] = item
+        try:
+            self.engine.add(
+                request.request_id,
+                ids,
+                params,
+                self._callback(request.request_id, item),
+                priority=request.priority,
+                timeout=max(0.1, request.deadline - time.time()),
+                cache_salt=str(request.body.get("cache_salt") or "").encode(),
+                user=request.body.get("user"),
+                session_id=request.body.get("session_id"),
+            )
+        except QueueFull as exc:
+            raise ApiError(
+                429, f"worker busy: {exc}; retry later", code="queue_full", kind="rate_limit_error"
+            ) from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        return len(ids)
+
+    def _prepare(self, request: P.FleetRequest) -> tuple[list[int], Any]:
+        parsed = parse_request({**request.body, "seed": request.seed}, request.chat)
+        check_text_size(parsed, self.max_chars, self.engine.max_model_len)
+        ids = prompt_ids(parsed, self.engine.tokenizer, self.vocab)
+        return ids, sampling_params(parsed, len(ids), self.engine.max_model_len)
+
+    def _callback(self, request_id: str, item: _InFlight) -> Any:
+        def callback(output: RequestOutput) -> None:
+            if not output.finished:
+                self._send(
+                    request_id,
+                    P.Chunk("delta", tokens=output.completion_tokens, text=output.text, attempt=item.attempt),
+                )
+                return
+            if output.finish_reason in ("abort", "timeout", "error"):
+                status = {"abort": 499, "timeout": 504, "error": 500}[output.finish_reason]
+                chunk = P.Chunk(
+                    "error",
+                    status=status,
+                    error=_error(status, f"request {output.finish_reason}", "server_error"),
+                )
+                if output.finish_reason == "abort" and request_id not in self.inflight:
+                    return  # cancelled by us: the gateway is gone
+            else:
+                chunk = P.Chunk(
+                    "done",
+                    tokens=output.completion_tokens,
+                    text=output.text,
+                    finish_reason=output.finish_reason,
+                    usage=_usage(output),
+                    attempt=item.attempt,
+                )
+            self._reply(request_id, chunk, item)
+
+        return callback
+
+    # ------------------------------------------------------------------ answering
+
+    def _send(self, request_id: str, chunk: P.Chunk) -> None:
+        chunk.worker = self.config.worker_id
+        self._chunks.put((request_id, chunk, None))
+
+    def _reply(self, request_id: str, chunk: P.Chunk, item: _InFlight) -> None:
+        """The last chunk of a request; the entry is acknowledged once it is written."""
+        chunk.worker = self.config.worker_id
+        self._chunks.put((request_id, chunk, item))
+
+    def _send_loop(self) -> None:
+        while True:
+            first = self._chunks.get()
+            batch = [first]
+            while not self._chunks.empty() and len(batch) < 256:
+                batch.append(self._chunks.get_nowait())
+            if any(item is None for item in batch):
+                return
+            self._write(batch)  # type: ignore[arg-type]
+
+    def _write(self, batch: list[tuple[str, P.Chunk, _InFlight | None]]) -> None:
+        """Write a batch of chunks (and acknowledge finished entries) in one round trip. While Redis is away the
+        batch is retried with backoff for `write_patience_s`, then dropped: its clients' gateways time out at
+        their deadlines, and unacknowledged entries are claimed and answered again (or refused as expired)."""
+        give_up = time.monotonic() + self.config.write_patience_s
+        delay = 0.1
+        while True:
+            try:
+                self._pipeline(batch).execute()
+                break
+            except Exception as exc:
+                if self._stopping.is_set() or time.monotonic() > give_up:
+                    _log.warning(
+                        "fleet worker: dropped %d answer chunks: Redis unavailable (%s)", len(batch), exc
+                    )
+                    break
+                if delay == 0.1:
+                    _log.warning("fleet worker: writing answers failed (%s); retrying", exc)
+                self._stopping.wait(delay)
+                delay = min(delay * 2, 2.0)
+        with self._lock:
+            for request_id, _chunk, item in batch:
+                if item is not None:
+                    self.inflight.pop(request_id, None)
+
+    def _pipeline(self, batch: list[tuple[str, P.Chunk, _InFlight | None]]) -> Any:
+        pipe = self.redis.pipeline()
+        for request_id, chunk, item in batch:
+            stream = P.response_stream(request_id)
+            pipe.xadd(stream, chunk.encode(), maxlen=10_000)
+            if item is not None or chunk.kind == "accepted":
+                pipe.expire(stream, int(self.config.request_timeout) + 60)
+            if item is not None:
+                pipe.xack(item.stream, P.GROUP, item.entry_id)
+                pipe.xdel(item.stream, item.entry_id)
+        return pipe
+
+    def _check_cancels(self) -> None:
+        with self._lock:
+            ids = list(self.inflight)
+        if not ids:
+            return
+        flags = self.redis.mget([P.cancel_key(r) for r in ids])
+        for request_id, flag in zip(ids, flags, strict=True):
+            if flag is not None:
+                with self._lock:
+                    item = self.inflight.pop(request_id, None)
+                self.engine.abort(request_id)
+                if item is not None:
+                    self._chunks.put(
+                        (request_id, P.Chunk("error", status=499, worker=self.config.worker_id), item)
+                    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _error(status: int, message: str, kind: str) -> dict[str, Any]:
+    return {"message": message, "type": kind, "param": None, "code": str(status)}
