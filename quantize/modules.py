@@ -12,11 +12,14 @@ Plain `nn.Linear` (FP32 layers, unquantized models) gets the same three answers 
 `decode_part`, `decode_bytes` and `fuse_linears`, the only places that tell it apart.
 
 Kernels, by weight type and number of activation rows M:
-- int8 (W8A16): qpack's native kernel up to `kernels.max_rows()` rows; else `aten._weight_int8pack_mm`, which on
-  CPU is fast only with bf16 activations (fp32 is 10-50x slower), so activations are cast around it and the
-  per-channel scale is applied in fp32 afterwards.
+- int8 (W8A16): qpack's native kernel, below `dense_min_rows` rows in chunks of `kernels.max_rows()` rows, so a
+  row's result is the same whatever else shares its batch (a seeded request samples the same tokens alone or
+  among 30: the fleet's regeneration after a worker's death relies on it). Without the kernels,
+  `aten._weight_int8pack_mm`, which on CPU is fast only with bf16 activations (fp32 is 10-50x slower), so
+  activations are cast around it and the per-channel scale is applied in fp32 afterwards.
 - int4 (W4A16): the native kernel; else `aten._weight_int4pack_mm_for_cpu` on CPU, `aten._weight_int4pack_mm` on
-  CUDA, with our asymmetric zero point mapped exactly onto the kernels' `(q - 8) * scale + zero` form.
+  CUDA, with our asymmetric zero point mapped exactly onto the kernels' `(q - 8) * scale + zero` form. Like
+  int8, in native chunks below `batch_invariant_rows` rows.
 - torch's weight-only kernels are matrix-vector loops whose CPU time grows linearly with M, so from
   `dense_min_rows` rows (prefill, evaluation) the weight is dequantized for that call into a reused buffer and
   a dense fp32 GEMM runs instead: int8 crosses over at ~48 rows, int4 at ~128 on the 2-core AVX2 reference
@@ -47,6 +50,8 @@ class QuantLinear(nn.Module):
 
     # Row-major [out_features, ...] tensors that a fused module's rows can stand in for (`fuse`).
     row_tensors: ClassVar[tuple[str, ...]] = ()
+    # With the native kernels, below this many rows each row's output is bit-identical whatever the batch.
+    batch_invariant_rows: ClassVar[int] = 48
 
     def __init__(
         self, scheme: Scheme, in_features: int, out_features: int, bias: torch.Tensor | None
@@ -285,6 +290,9 @@ class Int8Linear(QuantLinear):
             y = _cuda_int8_mm(x2, qweight, self.scale)
         elif kernels.takes(x2):
             y = kernels.linear(x2.to(torch.float32), self.qweight, self.scale)
+        elif kernels.ready() and x2.shape[0] < self.batch_invariant_rows and not x2.requires_grad:
+            rows = x2.to(torch.float32).split(kernels.max_rows())
+            y = torch.cat([kernels.linear(part, self.qweight, self.scale) for part in rows])
         elif x2.shape[0] >= self.dense_min_rows:
             weight = P.dequantize_int8(qweight, self.scale, out=_scratch(qweight.shape, qweight.device))
             y = F.linear(x2.to(torch.float32), weight)
@@ -393,6 +401,9 @@ class Int4Linear(QuantLinear):
             )
         elif native_ok and kernels.takes(x2):
             y = kernels.linear(x2.to(torch.float32), self.qweight, self.scale, None, self.zero_point)
+        elif native_ok and x2.shape[0] < self.batch_invariant_rows and not x2.requires_grad:
+            rows = x2.to(torch.float32).split(kernels.max_rows())
+            y = torch.cat([kernels.linear(r, self.qweight, self.scale, None, self.zero_point) for r in rows])
         elif native_ok:
             weight = _scratch(torch.Size((self.qweight.shape[0], self.in_features)), self.qweight.device)
             kernels.dequantize_int4(self.qweight, self.scale, self.zero_point, weight)

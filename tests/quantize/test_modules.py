@@ -83,6 +83,26 @@ def test_dense_path_thresholds_are_exercised() -> None:
     assert Int8Linear.dense_min_rows <= 200 and Int4Linear.dense_min_rows <= 200
 
 
+@pytest.mark.parametrize("scheme", [Int8(), Int4(32)], ids=lambda s: s.label())
+def test_a_rows_result_does_not_depend_on_its_batch_below_the_dense_path(scheme: Scheme) -> None:
+    """A seeded request must sample the same tokens alone or among others (fleet regeneration relies on it):
+    every batch size that decode steps and short prefills use gives each row bit-identical outputs."""
+    from quantize.kernels import ops as kernels
+
+    if kernels.enable() is None:
+        pytest.fail(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    torch.manual_seed(0)
+    handler = handler_for(scheme)
+    module = handler.build(
+        scheme, handler.quantize(scheme, torch.randn(200, 256) * 0.05), None, torch.device("cpu")
+    )
+    x = torch.randn(type(module).batch_invariant_rows - 1, 256)
+    alone = torch.cat([module(row[None]) for row in x])
+    for rows in (2, kernels.max_rows(), kernels.max_rows() + 5, x.shape[0]):
+        batched = torch.cat([module(part) for part in x.split(rows)])
+        assert torch.equal(batched, alone), rows
+
+
 def test_quantization_error_floor() -> None:
     torch.manual_seed(0)
     weight = torch.randn(64, 256)
