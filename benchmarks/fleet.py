@@ -204,7 +204,17 @@ def redis_cost(before: dict[str, Any], after: dict[str, Any], requests: int) -> 
     calls_before, usec_before = commands(before)
     calls_after, usec_after = commands(after)
     cpu = lambda i: float(i["used_cpu_sys"]) + float(i["used_cpu_user"])  # noqa: E731
+    per_command = {
+        key.removeprefix("cmdstat_"): (
+            (int(stat["calls"]) - int(before.get(key, {}).get("calls", 0))) / requests,
+            (float(stat["usec"]) - float(before.get(key, {}).get("usec", 0))) / requests,
+        )
+        for key, stat in after.items()
+        if key.startswith("cmdstat_")
+    }
+    top = sorted(per_command.items(), key=lambda item: -item[1][1])[:8]
     return {
+        "top_commands": {name: {"calls": round(c, 1), "usec": round(u, 1)} for name, (c, u) in top},
         "commands_per_request": round((calls_after - calls_before) / requests, 1),
         "command_usec_per_request": round((usec_after - usec_before) / requests, 1),
         "redis_cpu_ms_per_request": round(1000 * (cpu(after) - cpu(before)) / requests, 3),

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from serve.fleet import protocol as P
+from serve.fleet.reader import ResponseReader
 from serve.openai import render
 from serve.openai.protocol import ApiError, GenerationRequest, parse_json, parse_request
 from serve.openai.routes import Guard, ServerInfo, error_response
@@ -73,6 +74,10 @@ class Gateway:
         self.redis = aioredis.Redis.from_url(config.redis_url, socket_timeout=5, socket_connect_timeout=3)
         self.metrics = GatewayMetrics()
         self._workers: tuple[float, list[P.WorkerInfo]] = (0.0, [])
+        self._depth: dict[str, tuple[float, int, int]] = {}
+        self.reader: ResponseReader | None = (
+            None  # made on first use, inside the server's event loop  # model -> (measured at, depth, queued since)
+        )
 
     async def live_workers(self) -> list[P.WorkerInfo]:
         """Workers whose heartbeat is fresh (cached for half a second)."""
@@ -92,8 +97,22 @@ class Gateway:
         return workers
 
     async def queue_depth(self, model: str) -> int:
-        """Entries of the model's streams that no worker has taken yet: their length less their pending entries
-        (workers delete what they answered, so a stream holds only queued and in-flight requests)."""
+        """Entries of the model's streams that no worker has taken yet, measured at most every 0.2 s (one
+        round trip over all its streams), plus what this gateway queued since."""
+        measured_at, depth, added = self._depth.get(model, (0.0, 0, 0))
+        if time.monotonic() - measured_at < 0.2:
+            return depth + added
+        depth = await self.measure_depth(model)
+        self._depth[model] = (time.monotonic(), depth, 0)
+        return depth
+
+    def queued(self, model: str) -> None:
+        measured_at, depth, added = self._depth.get(model, (0.0, 0, 0))
+        self._depth[model] = (measured_at, depth, added + 1)
+
+    async def measure_depth(self, model: str) -> int:
+        """Length less pending entries over the model's streams (workers delete what they answered, so a
+        stream holds only queued and in-flight requests)."""
         streams = [
             P.model_stream(model),
             *(P.worker_stream(w.worker_id) for w in await self.live_workers() if w.model == model),
@@ -149,44 +168,55 @@ class Gateway:
             session=_session(body, parsed),
         )
         await self.redis.xadd(self.route(request, serving), request.encode())
+        self.queued(model)
         return request, parsed
 
     async def chunks(self, request: P.FleetRequest) -> AsyncIterator[P.Chunk]:
         """The request's answer, each token once: chunks a regeneration repeats are skipped."""
-        last, delivered, workers = "0-0", -1, set()
-        backoff = 0.2
-        while True:
-            timeout_ms = int(max(0.0, request.deadline - time.time()) * 1000)
-            if timeout_ms <= 0:
-                yield P.Chunk("error", status=504, error={"message": "request timed out", "type": "timeout"})
-                return
-            try:
-                reply = await self.redis.xread(
-                    {P.response_stream(request.request_id): last}, block=min(timeout_ms, 2000), count=64
-                )
-                backoff = 0.2
-            except Exception:
-                self.metrics.redis_errors.inc()
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-                continue
-            for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                    chunk = P.Chunk.decode(fields)
-                    workers.add(chunk.worker)
-                    if chunk.kind in ("done", "error"):
-                        if len(workers) > 1:
-                            self.metrics.regenerations.inc()
-                        await self._forget(request)
-                        yield chunk
-                        return
-                    if chunk.kind == "delta" and chunk.tokens > delivered:
-                        delivered = chunk.tokens
-                        yield chunk
-                    elif chunk.kind == "accepted" and delivered < 0:
-                        delivered = 0
-                        yield chunk
+        stream = P.response_stream(request.request_id)
+        if self.reader is None:
+            self.reader = ResponseReader(self.config.redis_url, self.redis)
+        await self.reader.open(stream)
+        delivered, workers = -1, set()
+        try:
+            while True:
+                fields = await self.reader.next(stream, max(0.0, request.deadline - time.time()))
+                if fields is None:
+                    yield P.Chunk(
+                        "error", status=504, error={"message": "request timed out", "type": "timeout"}
+                    )
+                    return
+                chunk = P.Chunk.decode(fields)
+                workers.add(chunk.worker)
+                if chunk.kind in ("done", "error"):
+                    if len(workers) > 1:
+                        self.metrics.regenerations.inc()
+                    yield chunk
+                    return
+                if chunk.kind == "delta" and chunk.tokens > delivered:
+                    delivered = chunk.tokens
+                    yield chunk
+                elif chunk.kind == "accepted" and delivered < 0:
+                    delivered = 0
+                    yield chunk
+        finally:
+            self.reader.close(stream)
+            await self._forget(request)
+
+    async def forget_sessions(self, user: str | None, session_id: str | None) -> int:
+        """Ask every live worker to delete the session's (or the user's) KV; the number of workers asked."""
+        try:
+            workers = await self.live_workers()
+            pipe = self.redis.pipeline(transaction=False)
+            for worker in workers:
+                pipe.xadd(P.worker_stream(worker.worker_id), P.forget_entry(user, session_id))
+            await pipe.execute()
+        except Exception as exc:
+            self.metrics.redis_errors.inc()
+            raise ApiError(
+                503, "the fleet's queue (Redis) is unreachable; retry", kind="unavailable"
+            ) from exc
+        return len(workers)
 
     async def _forget(self, request: P.FleetRequest) -> None:
         try:
@@ -235,6 +265,8 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
         state["draining"] = True
+        if gateway.reader is not None:
+            await gateway.reader.aclose()
         await gateway.redis.aclose()
 
     app = FastAPI(title="qpack fleet gateway", lifespan=lifespan)
@@ -248,6 +280,25 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _respond(gateway, request, chat=True)
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, user: str | None = None) -> Response:
+        """A privacy request, passed to every live worker (each holds its own sessions' KV)."""
+        try:
+            workers = await gateway.forget_sessions(user, session_id)
+        except ApiError as error:
+            return error_response(error)
+        return JSONResponse({"object": "session.deleted", "id": session_id, "user": user, "workers": workers})
+
+    @app.delete("/v1/sessions")
+    async def delete_user_sessions(user: str | None = None) -> Response:
+        if not user:
+            return error_response(ApiError(400, "name the user whose sessions to delete: ?user=NAME", "user"))
+        try:
+            workers = await gateway.forget_sessions(user, None)
+        except ApiError as error:
+            return error_response(error)
+        return JSONResponse({"object": "sessions.deleted", "user": user, "workers": workers})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -272,7 +323,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
             gateway.metrics.workers.labels(model=model).set(
                 sum(1 for w in gateway._workers[1] if w.model == model)
             )
-            await gateway.queue_depth(model)
+            await gateway.measure_depth(model)
         return Response(generate_latest(gateway.metrics.registry), media_type="text/plain; version=0.0.4")
 
     return app

@@ -18,6 +18,8 @@ Layout (all keys under `qpack:`):
   what it has not delivered: a regeneration with the same seed produces the same chunks, and the client sees
   no duplicate and no gap.
 - `cancel:{request id}`: set by a gateway whose client went away; the worker aborts the request.
+- A `forget` entry (user, session) in every live worker's own stream: a session deletion (privacy request) that
+  each worker applies to its pool and tiers.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class FleetRequest:
         if isinstance(raw, bytes):
             raw = raw.decode()
         return cls(**json.loads(str(raw)))
+
+
+def forget_entry(user: str | None, session_id: str | None) -> dict[str, str]:
+    return {"forget": json.dumps({"user": user, "session_id": session_id})}
 
 
 def new_seed() -> int:

@@ -13,6 +13,7 @@ refreshed every second with a short TTL; in-flight entries are re-claimed to thi
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -84,19 +85,25 @@ class FleetWorker:
         for thread in threads:
             thread.start()
         backoff = 0.5
-        last_claim = 0.0
+        groups = False
+        last_beat = last_claim = 0.0
         while not stop.is_set():
             try:
-                self._ensure_groups()
-                self._heartbeat()
+                if not groups:
+                    self._ensure_groups()
+                    groups = True
+                if time.monotonic() - last_beat >= self.config.heartbeat_s:
+                    self._heartbeat()
+                    last_beat = time.monotonic()
                 if time.monotonic() - last_claim > self.config.claim_idle_s / 3:
                     self._refresh_and_claim()
                     last_claim = time.monotonic()
                 self._check_cancels()
                 self._read_new()
                 backoff = 0.5
-            except Exception as exc:  # redis down or flapping: keep generating what we have, retry
+            except Exception as exc:  # Redis down, restarted empty, or our stream removed: keep generating
                 _log.warning("fleet worker: Redis unavailable (%s); retrying in %.1f s", exc, backoff)
+                groups, last_beat = False, 0.0
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
         self._stopping.set()
@@ -126,7 +133,7 @@ class FleetWorker:
             len(self.inflight),
             time.time(),
         )
-        pipe = self.redis.pipeline()
+        pipe = self.redis.pipeline(transaction=False)
         pipe.hset(P.worker_key(self.config.worker_id), mapping=info.fields())
         pipe.expire(P.worker_key(self.config.worker_id), max(1, int(self.config.ttl_s)))
         pipe.hset(P.WORKERS, self.config.worker_id, self.config.name)
@@ -204,6 +211,9 @@ class FleetWorker:
             self.redis.hdel(P.WORKERS, stream.removeprefix(P.worker_stream("")))
 
     def _start(self, stream: str, entry_id: str, fields: Any, attempt: int) -> None:
+        if b"forget" in fields or "forget" in fields:
+            self._forget(stream, entry_id, fields)
+            return
         try:
             request = P.FleetRequest.decode(fields)
         except (ValueError, TypeError, KeyError) as exc:
@@ -213,7 +223,7 @@ class FleetWorker:
         if request.request_id in self.inflight:
             return  # already ours (a claim racing our own read)
         if request.model != self.config.name:  # adopted from a worker of another model: hand it back
-            pipe = self.redis.pipeline()
+            pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(P.model_stream(request.model), request.encode())
             pipe.xack(stream, P.GROUP, entry_id)
             pipe.xdel(stream, entry_id)
@@ -233,6 +243,19 @@ class FleetWorker:
             request.request_id,
             P.Chunk("accepted", tokens=0, usage={"prompt_tokens": prompt_tokens}, attempt=attempt),
         )
+
+    def _forget(self, stream: str, entry_id: str, fields: Any) -> None:
+        """A session deletion broadcast by a gateway: drop its KV here, then acknowledge."""
+        try:
+            target = json.loads(_text(fields.get(b"forget", fields.get("forget"))))
+            blocks = self.engine.forget_sessions(target.get("user"), target.get("session_id"))
+            _log.info("fleet worker: forgot %d blocks of %s", blocks, target)
+        except (ValueError, TypeError, AttributeError) as exc:
+            _log.warning("dropping a malformed forget entry %s: %s", entry_id, exc)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xack(stream, P.GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+        pipe.execute()
 
     def _admit(self, request: P.FleetRequest, item: _InFlight) -> int:
         """Validate, tokenize and queue the request on the engine; ApiError carries what the client gets."""
@@ -344,7 +367,7 @@ class FleetWorker:
                     self.inflight.pop(request_id, None)
 
     def _pipeline(self, batch: list[tuple[str, P.Chunk, _InFlight | None]]) -> Any:
-        pipe = self.redis.pipeline()
+        pipe = self.redis.pipeline(transaction=False)
         for request_id, chunk, item in batch:
             stream = P.response_stream(request_id)
             pipe.xadd(stream, chunk.encode(), maxlen=10_000)

@@ -141,12 +141,13 @@ def test_quantized_modules_route_small_batches_and_stay_exact() -> None:
     try:
         with torch.inference_mode():
             int8(x)
-            int8(torch.randn(kernels.max_rows() + 1, 40))  # a prefill-sized batch keeps torch's GEMM
+            int8(torch.randn(kernels.max_rows() + 1, 40))  # a mid-sized batch runs in native chunks
+            int8(torch.randn(Int8Linear.batch_invariant_rows, 40))  # a prefill-sized batch keeps torch's GEMM
         needs_grad = torch.randn(2, 40, requires_grad=True)
         half(needs_grad).sum().backward()  # autograd keeps torch's ops, gradients flow
     finally:
         kernels.linear = real  # type: ignore[assignment]
-    assert calls == [3]
+    assert calls == [3, kernels.max_rows(), 1]
     assert needs_grad.grad is not None and needs_grad.grad.abs().sum() > 0
 
 

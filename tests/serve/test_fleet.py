@@ -105,7 +105,11 @@ def test_enqueue_work_stream_ack(tiny_llama: Path, local_redis: LocalRedis, refe
         assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
         too_long = httpx.post(f"{base}/v1/completions", json={**STORY, "max_tokens": 10_000}, timeout=30)
         assert too_long.status_code == 400  # the worker knows the model's length; its 400 comes back
+        deleted = httpx.delete(f"{base}/v1/sessions/s1", params={"user": "ann"})
+        assert deleted.status_code == 200 and deleted.json()["workers"] == 1
+        assert httpx.delete(f"{base}/v1/sessions").status_code == 400
         client = redis.Redis.from_url(local_redis.url)
+        wait_for(lambda: client.xlen(fleet_worker.own) == 0, what="the worker to apply the deletion")
         for stream in (fleet_worker.own, fleet_worker.shared):
             assert client.xpending(stream, P.GROUP)["pending"] == 0  # every entry acknowledged
             assert client.xlen(stream) == 0  # and removed
