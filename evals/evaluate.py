@@ -19,16 +19,17 @@ from typing import Any
 
 from torch import nn
 
-from evals.drift import drift_report
 from evals.mmlu import load_mmlu
+from evals.paired import PairScoring, score_fixed, score_sequential
+from evals.refcache import ReferenceCache, ReferenceKey, tokenizer_sha256
 from evals.report import drift_png, kl_histogram_png, markdown
-from evals.scoring import FORMATS, score
+from evals.scoring import FORMATS
 from quantize.artifact import FORMAT as ARTIFACT_FORMAT
-from quantize.artifact import MANIFEST_FILE, load_artifact, read_manifest, verify_artifact
+from quantize.artifact import MANIFEST_FILE, content_sha256, load_artifact, read_manifest, verify_artifact
 from quantize.calibdata import CalibrationData
 from quantize.errors import QpackError
 from quantize.fileio import read_json, sha256_file, write_bytes, write_json
-from quantize.models import load_model, load_tokenizer, resolve_model, weights_sha256
+from quantize.models import cache_dir, load_model, load_tokenizer, resolve_model, weights_sha256
 from quantize.progress import NULL_PROGRESS, Progress
 
 REPORT_DIR = "evals"
@@ -59,6 +60,16 @@ class EvaluateConfig:
     write: bool = True
     token_budget: int = 4096
     seed: int = 0
+    cache: bool = True
+    cache_dir: Path | None = None
+    sequential: bool = True
+    confidence: float = 0.95
+
+    @property
+    def is_sequential(self) -> bool:
+        """Gated on drift or flips over the whole test set: stop as soon as the gate is decided."""
+        gated = self.gate.max_drift is not None or self.gate.max_flip_rate is not None
+        return self.sequential and gated and self.limit is None
 
     def validate(self) -> None:
         problems = []
@@ -74,6 +85,8 @@ class EvaluateConfig:
         for name, value in dataclasses.asdict(self.gate).items():
             if value is not None and value < 0:
                 problems.append(f"--{name.replace('_', '-')} must be >= 0 (got {value})")
+        if not 0.5 <= self.confidence < 1:
+            problems.append(f"--confidence must be in [0.5, 1) (got {self.confidence})")
         if self.token_budget < 256:
             problems.append("--batch-tokens must be at least 256")
         if problems:
@@ -108,6 +121,7 @@ def load_reference(
             "id": f"{loaded.name} v{loaded.version}",
             "kind": "artifact",
             "path": str(loaded.path),
+            "content_sha256": content_sha256(loaded.manifest),
         }
     resolved = resolve_model(spec or source.get("model_id"), progress)
     sha = weights_sha256(resolved)
@@ -116,7 +130,24 @@ def load_reference(
             f"the artifact's source model {source.get('model_id')!r} now has different weights ({sha[:12]} vs "
             f"{source['weights_sha256'][:12]}); pass --reference explicitly"
         )
-    return load_model(resolved), {"id": resolved.model_id, "kind": resolved.kind, "weights_sha256": sha}
+    info = {"id": resolved.model_id, "kind": resolved.kind, "weights_sha256": sha, "content_sha256": sha}
+    return load_model(resolved), info
+
+
+def reference_caches(
+    config: EvaluateConfig, reference_info: dict[str, Any], data_sha256: str, tokenizer_hash: str
+) -> dict[str, ReferenceCache | None]:
+    """One cache per format, or None per format with --no-cache."""
+    root = config.cache_dir or cache_dir()
+    return {
+        fmt: ReferenceCache(
+            root,
+            ReferenceKey(reference_info["content_sha256"], data_sha256, tokenizer_hash, fmt, config.shots),
+        )
+        if config.cache
+        else None
+        for fmt in config.formats
+    }
 
 
 def heldout_quality(
@@ -136,6 +167,9 @@ def heldout_quality(
 def check_gate(gate: Gate, formats: dict[str, dict[str, Any]], heldout: dict[str, Any] | None) -> list[str]:
     reasons = []
     for fmt, report in formats.items():
+        if "sequential" in report:
+            reasons += sequential_reasons(fmt, report["sequential"])
+            continue
         drop = -report["drift_points"]
         if gate.max_drift is not None and drop > gate.max_drift:
             reasons.append(f"MMLU {fmt} accuracy dropped {drop:.2f} points > --max-drift {gate.max_drift}")
@@ -153,6 +187,21 @@ def check_gate(gate: Gate, formats: dict[str, dict[str, Any]], heldout: dict[str
                         f"MMLU {fmt} answer KL {report['answer_kl']['mean']:.4f} > --max-kl {gate.max_kl} "
                         "(no calibration directory, so the answer KL is gated)"
                     )
+    return reasons
+
+
+def sequential_reasons(fmt: str, sequential: dict[str, Any]) -> list[str]:
+    reasons = []
+    for name, decision in sequential["decisions"].items():
+        if decision["verdict"] != "fail":
+            continue
+        low, high = decision["interval"]
+        what = "accuracy drop (points)" if name == "drift" else "flip rate"
+        flag = "--max-drift" if name == "drift" else "--max-flip-rate"
+        reasons.append(
+            f"MMLU {fmt} {what} is in [{low:.3g}, {high:.3g}] at {sequential['confidence']:.0%} confidence after "
+            f"{decision['questions']} questions, above {flag} {decision['threshold']}"
+        )
     return reasons
 
 
@@ -182,10 +231,23 @@ def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> Eval
 
     loaded = load_artifact(artifact_dir)
     reference, reference_info = load_reference(config.reference, manifest, progress)
-    timings: dict[str, float] = {}
-    formats, items_per_second = _score_formats(
-        config, reference, loaded.model, load_tokenizer(artifact_dir), data, timings, progress
+    tokenizer = load_tokenizer(artifact_dir)
+    scoring = PairScoring(
+        reference,
+        loaded.model,
+        tokenizer,
+        data.dev,
+        config.shots,
+        config.token_budget,
+        reference_caches(config, reference_info, data.sha256, tokenizer_sha256(artifact_dir)),
+        progress,
     )
+    if config.is_sequential:
+        formats = score_sequential(scoring, config, data.test)
+    else:
+        formats = score_fixed(scoring, config, data.test)
+    timings: dict[str, float] = dict(scoring.seconds)
+    items_per_second = scoring.items_per_second()
     heldout = None
     if calibration_ok:
         phase = time.perf_counter()
@@ -212,6 +274,7 @@ def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> Eval
         if calibration_ok
         else f"calibration directory {calibration or '(none)'} not found; skipped",
         "items_per_second": items_per_second,
+        "reference_cache": scoring.cache_summary(),
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "gate": {"checked": config.gate.checked(), "passed": not reasons, "reasons": reasons},
         "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -221,42 +284,6 @@ def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> Eval
     if config.write:
         report_dir = _write_into_artifact(artifact_dir, result, loaded.name, config.shots, data.sha256)
     return EvaluateResult(result, not reasons, reasons, report_dir)
-
-
-def _score_formats(
-    config: EvaluateConfig,
-    reference: nn.Module,
-    candidate: nn.Module,
-    tokenizer: Any,
-    data: Any,
-    timings: dict[str, float],
-    progress: Progress,
-) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
-    """Per format: both models scored on the same questions, and the drift report between them."""
-    by_subject = data.by_subject()
-    formats: dict[str, dict[str, Any]] = {}
-    items_per_second: dict[str, float] = {}
-    for fmt in config.formats:
-        phase = time.perf_counter()
-        scores = [
-            score(
-                model,
-                tokenizer,
-                fmt,
-                by_subject,
-                data.dev,
-                config.shots,
-                config.token_budget,
-                progress,
-                label,
-            )
-            for model, label in ((reference, "reference"), (candidate, "artifact"))
-        ]
-        elapsed = time.perf_counter() - phase
-        timings[f"mmlu_{fmt}"] = elapsed
-        items_per_second[fmt] = 2 * len(data.test) / max(elapsed, 1e-9)
-        formats[fmt] = drift_report(data.test, scores[0], scores[1], seed=config.seed)
-    return formats, items_per_second
 
 
 def _write_into_artifact(

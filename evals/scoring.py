@@ -3,9 +3,11 @@
 Every question of a subject starts with the same k-shot prefix (the instruction line and the dev examples),
 which is most of the tokens of a 5-shot prompt. The prefix is run once per subject and its key/value cache is
 reused for every question of that subject, batched; only the question-specific suffix is computed per
-question, and the vocabulary projection runs only at the positions that are scored. The prompt is always
-tokenized as `prefix ids + suffix ids`, so the reference per-question implementation (`score_naive`) sees the
-same tokens and must give the same log-probs up to float tolerance (tests/evals/test_scoring.py).
+question, and the vocabulary projection runs only at the positions that are scored. Each prompt is tokenized
+as one string, like lm-evaluation-harness, and the shared prefix is the longest run of tokens the subject's
+prompts have in common, so the scores are the standard MMLU ones; the per-question implementation
+(`score_naive`, lm-eval's tokenization, no reuse) must give the same log-probs up to float tolerance
+(tests/evals/test_scoring.py).
 
 Formats:
 - `letter` (default): the standard MMLU prompt ("The following are multiple choice questions (with answers)
@@ -88,6 +90,8 @@ class Scorer:
 
     @torch.inference_mode()
     def _prefix(self, prefix: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not prefix:
+            return []
         out = self.model.model(input_ids=torch.tensor([prefix]), use_cache=True)  # type: ignore[union-attr]
         cache = out.past_key_values
         return [(layer.keys, layer.values) for layer in cache.layers]
@@ -95,7 +99,7 @@ class Scorer:
     @torch.inference_mode()
     def _batch(
         self, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]], prefix_len: int, batch: list[Request]
-    ) -> list[torch.Tensor]:
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         from transformers import DynamicCache
 
         width = max(len(r.tokens) for r in batch)
@@ -107,98 +111,178 @@ class Scorer:
         for row, request in enumerate(batch):
             input_ids[row, : len(request.tokens)] = torch.tensor(request.tokens)
             mask[row, prefix_len : prefix_len + len(request.tokens)] = 1
-        cache = DynamicCache(config=self.model.config)  # type: ignore[union-attr]
-        for index, (keys, values) in enumerate(prefix_kv):
-            cache.update(
-                keys.expand(size, -1, -1, -1).contiguous(),
-                values.expand(size, -1, -1, -1).contiguous(),
-                index,
-            )
+        cached: dict[str, Any] = {}
+        if prefix_kv:
+            cache = DynamicCache(config=self.model.config)  # type: ignore[union-attr]
+            for index, (keys, values) in enumerate(prefix_kv):
+                cache.update(
+                    keys.expand(size, -1, -1, -1).contiguous(),
+                    values.expand(size, -1, -1, -1).contiguous(),
+                    index,
+                )
+            cached = {"use_cache": True, self._cache_kwarg: cache}
         hidden = self.model.model(  # type: ignore[union-attr]
-            input_ids=input_ids, attention_mask=mask, use_cache=True, **{self._cache_kwarg: cache}
+            input_ids=input_ids, attention_mask=mask, **cached
         ).last_hidden_state
         rows = torch.tensor([row for row, r in enumerate(batch) for _ in r.positions])
         cols = torch.tensor([p for r in batch for p in r.positions])
         logp = torch.log_softmax(self.model.lm_head(hidden[rows, cols]).to(torch.float32), dim=-1)  # type: ignore[union-attr]
         targets = torch.tensor([t for r in batch for t in r.targets])
         picked = logp.gather(1, targets[:, None])[:, 0]
+        greedy = logp.argmax(dim=-1) == targets
         out, start = [], 0
         for request in batch:
-            out.append(picked[start : start + len(request.positions)])
-            start += len(request.positions)
+            stop = start + len(request.positions)
+            out.append((picked[start:stop], greedy[start:stop]))
+            start = stop
         return out
 
     def run(self, prefix: list[int], requests: list[Request]) -> dict[int, torch.Tensor]:
         """Log-probs of each request's targets (by request index), batching by length under the token budget."""
+        return {index: values for index, (values, _greedy) in self.run_detailed(prefix, requests).items()}
+
+    def run_detailed(
+        self, prefix: list[int], requests: list[Request]
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Per request index: its targets' log-probs and whether each target is the argmax token there."""
         prefix_kv = self._prefix(prefix)
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
-        results: dict[int, torch.Tensor] = {}
+        results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         batch: list[int] = []
-        for index in order:
-            width = len(requests[batch[0]].tokens) if batch else len(requests[index].tokens)
-            if batch and (len(batch) + 1) * (len(prefix) + width) > self.token_budget:
-                for i, value in zip(
-                    batch, self._batch(prefix_kv, len(prefix), [requests[j] for j in batch]), strict=True
-                ):
-                    results[i] = value
+        for index in [*order, None]:
+            width = len(requests[batch[0]].tokens) if batch else 0
+            full = index is None or (
+                batch
+                and (len(batch) + 1) * (len(prefix) + max(width, len(requests[index].tokens)))
+                > self.token_budget
+            )
+            if batch and full:
+                outputs = self._batch(prefix_kv, len(prefix), [requests[j] for j in batch])
+                results.update(zip(batch, outputs, strict=True))
                 batch = []
-            batch.append(index)
-        if batch:
-            for i, value in zip(
-                batch, self._batch(prefix_kv, len(prefix), [requests[j] for j in batch]), strict=True
-            ):
-                results[i] = value
+            if index is not None:
+                batch.append(index)
         return results
+
+
+def _encode_batch(scorer: Scorer, texts: list[str], first: bool) -> list[list[int]]:
+    if not texts:
+        return []
+    return [list(ids) for ids in scorer.tokenizer(texts, add_special_tokens=first)["input_ids"]]
+
+
+def continuation_ids(context: list[int], whole: list[int]) -> list[int]:
+    """lm-eval's split of `context + continuation`: the whole string tokenized, minus the context's length.
+
+    The context is tokenized on its own and the continuation is what the whole string has after that many
+    tokens, so a boundary merge shows up in the continuation rather than shifting the context."""
+    return whole[len(context) :]
+
+
+def shared_length(contexts: list[list[int]]) -> int:
+    """The longest token prefix all contexts share, leaving each at least one token of its own."""
+    if not contexts:
+        return 0
+    first = contexts[0]
+    length = min(len(c) for c in contexts) - 1
+    for context in contexts[1:]:
+        if context[:length] == first[:length]:
+            continue
+        low, high = 0, length
+        while low < high:
+            middle = (low + high + 1) // 2
+            if context[:middle] == first[:middle]:
+                low = middle
+            else:
+                high = middle - 1
+        length = low
+    return max(length, 0)
+
+
+def _letter_prompts(
+    scorer: Scorer, subject: str, items: list[Item], shots: list[Item]
+) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Each question's whole-string context ids and its four letter continuations (lm-eval's split)."""
+    prefix = letter_prefix(subject, shots)
+    texts = [prefix + letter_block(item, False) for item in items]
+    contexts = _encode_batch(scorer, texts, True)
+    probe = _encode_batch(scorer, [texts[0] + f" {letter}" for letter in LETTERS], True) if texts else []
+    if all(
+        continuation_ids(contexts[0], whole) == ids
+        for whole, ids in zip(probe, scorer.letter_ids, strict=False)
+    ):
+        return contexts, [scorer.letter_ids] * len(items)
+    wholes = _encode_batch(scorer, [text + f" {letter}" for text in texts for letter in LETTERS], True)
+    letters = [
+        [continuation_ids(context, wholes[4 * index + choice]) for choice in range(4)]
+        for index, context in enumerate(contexts)
+    ]
+    return contexts, letters
+
+
+def _cloze_prompts(
+    scorer: Scorer, subject: str, items: list[Item], shots: list[Item]
+) -> tuple[list[list[int]], list[list[list[int]]]]:
+    prefix = cloze_prefix(subject, shots)
+    texts = [prefix + cloze_context(item) for item in items]
+    contexts = _encode_batch(scorer, texts, True)
+    wholes = _encode_batch(
+        scorer,
+        [text + f" {choice}" for text, item in zip(texts, items, strict=True) for choice in item.choices],
+        True,
+    )
+    answers = []
+    for index, context in enumerate(contexts):
+        row = []
+        for choice in range(4):
+            ids = continuation_ids(context, wholes[4 * index + choice])
+            row.append(ids or scorer.encode(" "))
+        answers.append(row)
+    return contexts, answers
 
 
 def build_requests(
     scorer: Scorer, fmt: str, subject: str, items: list[Item], shots: list[Item]
 ) -> tuple[list[int], list[Request], list[tuple[str, int, int]]]:
-    """Prefix ids, requests, and for each request (item key, choice index or -1 for letter, answer bytes)."""
+    """Shared prefix ids, requests, and for each request (item key, choice index or -1 for letter, answer bytes).
+
+    Every prompt is tokenized as one string, as lm-eval does (tokenizing the few-shot prefix and the question
+    apart merges differently at the boundary: SmolLM2 makes one "\\n\\n" token where the whole string has two).
+    The prefix whose key/value cache is shared is then the longest token prefix the subject's prompts have in
+    common, so reusing it changes no token."""
     if fmt == "letter":
-        prefix = scorer.encode(letter_prefix(subject, shots), first=True)
-        requests, meta = [], []
-        for item in items:
-            tokens = scorer.encode(letter_block(item, False))
-            last = len(tokens) - 1
-            if scorer.single_token_letters:
-                requests.append(Request(item.key, tokens, [ids[0] for ids in scorer.letter_ids], [last] * 4))
-                meta.append((item.key, -1, 0))
-                continue
-            for choice_index, letter_ids in enumerate(scorer.letter_ids):
-                positions = list(range(last, last + len(letter_ids)))
-                requests.append(Request(item.key, tokens + letter_ids, letter_ids, positions))
-                meta.append((item.key, choice_index, 1))
-        return prefix, requests, meta
-    prefix = scorer.encode(cloze_prefix(subject, shots), first=True)
+        contexts, continuations = _letter_prompts(scorer, subject, items, shots)
+    else:
+        contexts, continuations = _cloze_prompts(scorer, subject, items, shots)
+    shared = shared_length(contexts)
+    prefix = contexts[0][:shared] if contexts else []
     requests, meta = [], []
-    for item in items:
-        context = scorer.encode(cloze_context(item))
-        for choice_index, choice in enumerate(item.choices):
-            continuation = scorer.encode(f" {choice}") or scorer.encode(" ")
-            tokens = context + continuation
-            positions = list(range(len(context) - 1, len(tokens) - 1))
-            requests.append(Request(item.key, tokens, continuation, positions))
-            meta.append((item.key, choice_index, max(len(f" {choice}".encode()), 1)))
+    for item, context, answers in zip(items, contexts, continuations, strict=True):
+        own = context[shared:]
+        last = len(own) - 1
+        if fmt == "letter" and answers == scorer.letter_ids and scorer.single_token_letters:
+            requests.append(Request(item.key, own, [ids[0] for ids in answers], [last] * 4))
+            meta.append((item.key, -1, 0))
+            continue
+        for choice_index, ids in enumerate(answers):
+            positions = list(range(last, last + len(ids)))
+            requests.append(Request(item.key, own + ids, ids, positions))
+            size = 1 if fmt == "letter" else max(len(f" {item.choices[choice_index]}".encode()), 1)
+            meta.append((item.key, choice_index, size))
     return prefix, requests, meta
 
 
 def _collect(
-    fmt: str,
     items: list[Item],
-    requests: list[Request],
     meta: list[tuple[str, int, int]],
     values: dict[int, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    scores: dict[str, torch.Tensor] = {}
-    if all(choice == -1 for _key, choice, _size in meta):
-        for index, (key, _choice, _size) in enumerate(meta):
-            scores[key] = values[index].to(torch.float64)
-        return scores
-    for item in items:
-        scores[item.key] = torch.zeros(4, dtype=torch.float64)
+    scores = {item.key: torch.zeros(4, dtype=torch.float64) for item in items}
     for index, (key, choice, size) in enumerate(meta):
-        scores[key][choice] = float(values[index].to(torch.float64).sum()) / size
+        if choice == -1:
+            scores[key] = values[index].to(torch.float64)
+        else:
+            scores[key][choice] = float(values[index].to(torch.float64).sum()) / size
     return scores
 
 
@@ -223,7 +307,7 @@ def score(
         for subject, items in by_subject.items():
             prefix, requests, meta = build_requests(scorer, fmt, subject, items, dev[subject][:shots])
             values = scorer.run(prefix, requests)
-            scores.update(_collect(fmt, items, requests, meta, values))
+            scores.update(_collect(items, meta, values))
             task.advance(len(items))
     return scores
 
@@ -237,18 +321,31 @@ def score_naive(
     dev: dict[str, list[Item]],
     shots: int,
 ) -> dict[str, torch.Tensor]:
-    """The straightforward reference: one full forward per request (prefix + suffix), no cache reuse."""
-    scorer = Scorer(model, tokenizer)
+    """The straightforward reference, lm-eval's way: per question and choice, the whole prompt string and the
+    whole prompt + continuation string tokenized separately, one full forward each, no cache reuse."""
     scores: dict[str, torch.Tensor] = {}
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
     for subject, items in by_subject.items():
-        prefix, requests, meta = build_requests(scorer, fmt, subject, items, dev[subject][:shots])
-        values: dict[int, torch.Tensor] = {}
-        for index, request in enumerate(requests):
-            ids = torch.tensor([prefix + request.tokens])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].to(torch.float32), dim=-1)  # type: ignore[operator]
-            positions = torch.tensor([len(prefix) + p for p in request.positions])
-            values[index] = logp[positions, torch.tensor(request.targets)]
-        scores.update(_collect(fmt, items, requests, meta, values))
+        for item in items:
+            if fmt == "letter":
+                context = letter_prefix(subject, dev[subject][:shots]) + letter_block(item, False)
+                continuations = [f" {letter}" for letter in LETTERS]
+            else:
+                context = cloze_prefix(subject, dev[subject][:shots]) + cloze_context(item)
+                continuations = [f" {choice}" for choice in item.choices]
+            context_ids = encode(context)
+            row = torch.zeros(4, dtype=torch.float64)
+            for choice, continuation in enumerate(continuations):
+                answer = encode(context + continuation)[len(context_ids) :]
+                ids = torch.tensor([context_ids + answer])
+                logp = torch.log_softmax(model(input_ids=ids).logits[0].to(torch.float32), dim=-1)  # type: ignore[operator]
+                picked = logp[torch.arange(len(context_ids) - 1, ids.shape[1] - 1), torch.tensor(answer)]
+                size = 1 if fmt == "letter" else max(len(continuation.encode()), 1)
+                row[choice] = float(picked.to(torch.float64).sum()) / size
+            scores[item.key] = row
     return scores
 
 

@@ -19,6 +19,7 @@ listed file's hash must match before anything is loaded. Writes are atomic (temp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -234,6 +235,15 @@ def save_artifact(
         return finish_artifact(
             writer, config=config, plan=plan, source_dir=source_dir, manifest=manifest, heatmap=heatmap
         )
+
+
+def content_sha256(manifest: dict[str, Any]) -> str:
+    """SHA-256 over the hashes of what the model computes with (weights, config, tokenizer: every file but the
+    eval reports), so evaluating an artifact, which adds reports, does not change its identity."""
+    files = {
+        name: digest for name, digest in manifest.get("files", {}).items() if not name.startswith("evals/")
+    }
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
 def weight_files(root: Path, manifest: dict[str, Any]) -> list[str]:

@@ -7,8 +7,6 @@ refused, running requests finish and stream to the end, then the process exits.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import signal
 import socket
 import threading
@@ -46,12 +44,11 @@ def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -
 
     path = Path(target).expanduser()
     if (path / "manifest.json").is_file():
-        from quantize.artifact import load_artifact
+        from quantize.artifact import content_sha256, load_artifact
 
         loaded = load_artifact(path, device=device, skeleton=True)
         tokenizer = load_tokenizer(path, loaded.manifest.get("tokenizer_class"))
-        files = loaded.manifest.get("files", {})
-        content = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+        content = content_sha256(loaded.manifest)
         return LoadedModel(loaded.model, tokenizer, loaded.name, loaded.version, str(loaded.path), content)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:

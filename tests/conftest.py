@@ -174,3 +174,12 @@ def tiny_qwen2_artifact(tiny_qwen2_calibration: Path, tmp_path_factory: pytest.T
         )
     )
     return out
+
+
+@pytest.fixture(autouse=True)
+def _eval_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reference-score caches go to a per-test folder, never into the user's cache."""
+    import evals.evaluate
+
+    folder = tmp_path_factory.mktemp("eval-cache")
+    monkeypatch.setattr(evals.evaluate, "cache_dir", lambda: folder)

@@ -8,7 +8,8 @@ import typer
 
 from qpack.cli import options as opt
 from qpack.cli.app import app, formats, gate_exit, output, run
-from qpack.cli.render import eval_tables
+from qpack.cli.app import output as output_of
+from qpack.cli.render import compare_table, eval_tables
 
 
 @app.command(help="Measure MMLU drift of an artifact against its reference; gate CI on it.")
@@ -32,7 +33,16 @@ def evaluate(
     max_flip_rate: opt.MaxFlipRate = None,
     batch_tokens: int = typer.Option(4096, "--batch-tokens", help="Tokens per scoring batch."),
     write: bool = typer.Option(True, "--write/--no-write", help="Write results into the artifact."),
-    seed: int = typer.Option(0, "--seed", help="Seed for --limit sampling and bootstrap."),
+    seed: int = typer.Option(0, "--seed", help="Seed for --limit sampling, question order and bootstrap."),
+    cache: bool = typer.Option(
+        True, "--cache/--no-cache", help="Reuse the reference's scores from the user cache (and add to it)."
+    ),
+    sequential: bool = typer.Option(
+        True,
+        "--sequential/--all-questions",
+        help="With --max-drift/--max-flip-rate and no --limit: stop once the gate is decided.",
+    ),
+    confidence: float = typer.Option(0.95, "--confidence", help="Confidence of the sequential gate."),
 ) -> None:
     from evals.evaluate import EvaluateConfig, Gate
     from evals.evaluate import evaluate as run_evaluate
@@ -52,6 +62,9 @@ def evaluate(
         write=write,
         token_budget=batch_tokens,
         seed=seed,
+        cache=cache,
+        sequential=sequential,
+        confidence=confidence,
     )
     evaluated = run(out, lambda: run_evaluate(config, out.progress()))
     result = evaluated.result
@@ -65,3 +78,43 @@ def evaluate(
     }
     out.result(data, *eval_tables(result))
     gate_exit(out, evaluated.passed, evaluated.reasons)
+
+
+@app.command(
+    help="Several artifacts side by side against one reference: size, speed, MMLU, drift, flips, KL."
+)
+def compare(
+    ctx: typer.Context,
+    artifacts: list[Path] = typer.Argument(..., help="Artifact directories."),
+    reference: str | None = typer.Option(
+        None, "--reference", "-r", help="Reference model or artifact (default: their source)."
+    ),
+    mmlu: opt.Mmlu = None,
+    subjects: opt.Subjects = None,
+    limit: int | None = typer.Option(None, "--limit", help="At most N questions per subject (stratified)."),
+    shots: opt.Shots = 5,
+    fmt: str = typer.Option("letter", "--format", help="letter or cloze."),
+    speed: bool = typer.Option(True, "--speed/--no-speed", help="Measure batch-1 prefill and decode speed."),
+    cache: bool = typer.Option(True, "--cache/--no-cache", help="Reuse the reference's cached scores."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write PATH.md and PATH.json."),
+    seed: int = typer.Option(0, "--seed", help="Seed for --limit sampling and bootstrap."),
+) -> None:
+    from qpack.compare import CompareConfig
+    from qpack.compare import compare as run_compare
+
+    out = output_of(ctx)
+    config = CompareConfig(
+        artifacts=tuple(artifacts),
+        reference=reference,
+        mmlu=mmlu,
+        subjects=subjects,
+        limit=limit,
+        shots=shots,
+        fmt=fmt,
+        seed=seed,
+        cache=cache,
+        speed=speed,
+        output=output,
+    )
+    result = run(out, lambda: run_compare(config, out.progress()))
+    out.result(result, compare_table(result))

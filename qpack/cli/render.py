@@ -261,8 +261,18 @@ def _evaluation_rows(result: dict[str, Any]) -> list[tuple[str, Any]]:
     elif result.get("heldout_note"):
         rows.append(("held-out queries", result["heldout_note"]))
     rows.append(
-        ("speed", ", ".join(f"{fmt} {v:.2f} items/s" for fmt, v in result["items_per_second"].items()))
+        (
+            "speed",
+            ", ".join(
+                f"{name.removeprefix('mmlu_').replace('_', ' ')} {v:.2f} questions/s"
+                for name, v in result["items_per_second"].items()
+            ),
+        )
     )
+    rows.append(("reference scores", _cache_line(result.get("reference_cache") or {})))
+    for fmt, report in result["formats"].items():
+        if "sequential" in report:
+            rows.append((f"sequential gate ({fmt})", _sequential_line(report["sequential"])))
     gate = result["gate"]
     if gate["checked"]:
         verdict = (
@@ -270,6 +280,66 @@ def _evaluation_rows(result: dict[str, Any]) -> list[tuple[str, Any]]:
         )
         rows.append(("gate", verdict))
     return rows
+
+
+def _cache_line(caches: dict[str, Any]) -> str:
+    if not caches or all(cache is None for cache in caches.values()):
+        return "computed (--no-cache)"
+    return "; ".join(
+        f"{fmt}: {cache['questions_from_cache']} questions from cache {cache['path']}"
+        if cache
+        else f"{fmt}: computed (--no-cache)"
+        for fmt, cache in caches.items()
+    )
+
+
+def _sequential_line(sequential: dict[str, Any]) -> str:
+    low, high = sequential["drop_interval_points"]
+    verdicts = ", ".join(
+        f"{name} {d['verdict']} after {d['questions']} questions"
+        for name, d in sequential["decisions"].items()
+    )
+    return (
+        f"{verdicts or 'undecided'}; drop in [{low:+.2f}, {high:+.2f}] pts at {sequential['confidence']:.0%} "
+        f"(anytime-valid); {sequential['stopped']}; scored {sequential['scored']}"
+    )
+
+
+def compare_table(result: dict[str, Any]) -> Table:
+    questions = result["rows"][0]["questions"] if result["rows"] else 0
+    table = Table(
+        title=f"Against {result['reference']}: MMLU {result['format']} {result['shots']}-shot, {questions} questions",
+        title_justify="left",
+    )
+    columns = (
+        "artifact",
+        "size",
+        "avg bits",
+        "decode b1",
+        "prefill",
+        "MMLU acc",
+        "drift pts [95% CI]",
+        "flips",
+        "KL",
+    )
+    for column in columns:
+        table.add_column(column, justify="left" if column == "artifact" else "right")
+    for row in result["rows"]:
+        speed = row["speed"] or {}
+        low, high = row["drift_ci95_points"]
+        kl = row["heldout_kl"] if row["heldout_kl"] is not None else row["answer_kl"]
+        table.add_row(
+            row["name"],
+            f"{(row['bytes'] or 0) / 2**20:.1f} MiB",
+            str(row["avg_bits"]),
+            f"{speed['decode_tokens_per_s']:.1f} tok/s" if speed else "-",
+            f"{speed['prefill_tokens_per_s']:.0f} tok/s" if speed else "-",
+            f"{row['accuracy']:.1%} ±{(row['accuracy_ci95'][1] - row['accuracy_ci95'][0]) / 2:.1%}",
+            f"{row['drift_points']:+.2f} [{low:+.2f}, {high:+.2f}]",
+            f"{row['flip_rate']:.1%}",
+            f"{kl:.4f}",
+        )
+    return table
 
 
 def build_table(summary: dict[str, Any], manifest: dict[str, Any]) -> Table:

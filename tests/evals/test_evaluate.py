@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -146,3 +147,128 @@ def test_build_runs_the_whole_pipeline(
     failed = runner.invoke(app, [*args, "--overwrite", "--max-kl", "0"])
     assert failed.exit_code == 1
     assert json.loads(failed.stdout)["gate"]["passed"] is False
+
+
+def test_second_run_reuses_the_reference_scores(artifact: Path, mmlu_dir: Path, tmp_path: Path) -> None:
+    config = EvaluateConfig(
+        artifact=artifact,
+        mmlu=mmlu_dir,
+        subjects=SUBSET,
+        limit=3,
+        shots=1,
+        cache_dir=tmp_path / "c",
+        write=False,
+    )
+    first = evaluate(config).result
+    second = evaluate(config).result
+    more = evaluate(dataclasses.replace(config, limit=4)).result
+    fresh = evaluate(dataclasses.replace(config, cache=False)).result
+    assert first["reference_cache"]["letter"]["questions_from_cache"] == 0
+    assert second["reference_cache"]["letter"]["questions_from_cache"] == 9
+    assert (
+        "mmlu_letter_reference" in first["timings_s"] and "mmlu_letter_reference" not in second["timings_s"]
+    )
+    assert more["reference_cache"]["letter"]["questions_from_cache"] == 9
+    assert fresh["reference_cache"] == {"letter": None}
+    for result in (second, fresh):
+        assert result["formats"]["letter"]["kl_values"] == first["formats"]["letter"]["kl_values"]
+    other_shots = evaluate(dataclasses.replace(config, shots=0)).result
+    assert other_shots["reference_cache"]["letter"]["questions_from_cache"] == 0
+
+
+def test_sequential_gate_stops_early_and_reports_why(
+    artifact: Path, mmlu_dir: Path, stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import evals.paired
+
+    monkeypatch.setattr(evals.paired, "FIRST_CHUNK", 40)
+    lenient = evaluate(
+        EvaluateConfig(
+            artifact=artifact, mmlu=mmlu_dir, subjects=SUBSET, shots=0, gate=Gate(max_drift=60.0), write=False
+        )
+    )
+    sequential = lenient.result["formats"]["letter"]["sequential"]
+    assert lenient.passed and sequential["decisions"]["drift"]["verdict"] == "pass"
+    assert sequential["scored"] < sequential["population"] and "decided after" in sequential["stopped"]
+    assert lenient.result["formats"]["letter"]["questions"] == sequential["scored"]
+    other_model = evaluate(  # a different model (stories260k) as the reference: many answers change
+        EvaluateConfig(
+            artifact=artifact,
+            reference=str(stories_dir),
+            mmlu=mmlu_dir,
+            subjects=SUBSET,
+            shots=0,
+            gate=Gate(max_flip_rate=0.01),
+            write=False,
+        )
+    )
+    decision = other_model.result["formats"]["letter"]["sequential"]["decisions"]["flips"]
+    assert (
+        not other_model.passed
+        and decision["verdict"] == "fail"
+        and "flip rate is in [" in other_model.reasons[0]
+    )
+    fixed = evaluate(
+        EvaluateConfig(
+            artifact=artifact,
+            mmlu=mmlu_dir,
+            subjects=SUBSET,
+            limit=2,
+            shots=0,
+            gate=Gate(max_drift=60.0),
+            write=False,
+        )
+    )
+    assert "sequential" not in fixed.result["formats"]["letter"]
+
+
+def test_compare_table_of_two_artifacts(
+    artifact: Path, tiny_llama_calibration: Path, mmlu_dir: Path, tmp_path: Path
+) -> None:
+    from qpack.compare import CompareConfig, compare
+
+    int8 = tmp_path / "int8"
+    quantize_model(
+        QuantizeConfig(
+            output=int8,
+            calibration=tiny_llama_calibration,
+            preset="int8",
+            algorithm="rtn",
+            sensitivity=SensitivityConfig(num_tokens=64),
+            calib_tokens=256,
+            eval_tokens=128,
+        )
+    )
+    result = compare(
+        CompareConfig(
+            artifacts=(artifact, int8),
+            mmlu=mmlu_dir,
+            subjects=SUBSET,
+            limit=3,
+            shots=1,
+            prompt_tokens=16,
+            new_tokens=4,
+            repeats=1,
+            output=tmp_path / "table",
+        )
+    )
+    by_name = {Path(row["artifact"]).name: row for row in result["rows"]}
+    assert (
+        by_name["art"]["avg_bits"] < by_name["int8"]["avg_bits"]
+        and by_name["art"]["bytes"] < by_name["int8"]["bytes"]
+    )
+    for row in result["rows"]:
+        assert (
+            row["questions"] == 9
+            and row["speed"]["decode_tokens_per_s"] > 0
+            and row["heldout_kl"] is not None
+        )
+    assert by_name["art"]["reference_accuracy"] == by_name["int8"]["reference_accuracy"]
+    table = (tmp_path / "table.md").read_text()
+    assert (
+        table.count("| ") > 10
+        and "art" in table
+        and json.loads((tmp_path / "table.json").read_text())["rows"]
+    )
+    out = runner.invoke(app, ["compare", str(artifact), str(tmp_path / "missing"), "--mmlu", str(mmlu_dir)])
+    assert out.exit_code != 0 and "is not an artifact" in out.output

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evals.mmlu import load_mmlu
-from evals.scoring import Scorer, letter_prefix, score, score_naive
+from evals.scoring import Request, Scorer, letter_block, letter_prefix, score, score_naive, shared_length
 from quantize.models import load_model, load_tokenizer, resolve_model
 
 
@@ -53,3 +53,76 @@ def test_prompt_format(tiny, mmlu_dir: Path) -> None:
     text = letter_prefix("anatomy", data.dev["anatomy"][:1])
     assert text.startswith("The following are multiple choice questions (with answers) about anatomy.\n\n")
     assert "\nA. " in text and text.endswith(f"Answer: {'ABCD'[data.dev['anatomy'][0].answer]}\n\n")
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    return load_tokenizer(resolve_model("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def tiny_on_smollm2_vocab(smollm2_tokenizer):
+    """A 1-layer Llama over SmolLM2's real 49k-token vocabulary: real BPE merges at every prompt boundary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(smollm2_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_real_tokenizer_merges_differently_at_the_prefix_boundary(smollm2_tokenizer, mmlu_dir: Path) -> None:
+    """The bug this scoring fixes: prefix ids + question ids are not the whole prompt's ids."""
+    data = load_mmlu(mmlu_dir, subjects="global_facts", limit=3)
+    prefix = letter_prefix("global_facts", data.dev["global_facts"][:5])
+    for item in data.test:
+        block = letter_block(item, False)
+        apart = smollm2_tokenizer(prefix)["input_ids"] + smollm2_tokenizer(block)["input_ids"]
+        assert apart != smollm2_tokenizer(prefix + block)["input_ids"]
+
+
+@pytest.mark.parametrize("fmt", ["letter", "cloze"])
+def test_scores_equal_whole_string_scoring_on_a_real_tokenizer(
+    tiny_on_smollm2_vocab, smollm2_tokenizer, mmlu_dir: Path, fmt: str
+) -> None:
+    data = load_mmlu(mmlu_dir, subjects="global_facts,marketing", limit=3, seed=1)
+    fast = score(
+        tiny_on_smollm2_vocab, smollm2_tokenizer, fmt, data.by_subject(), data.dev, 5, token_budget=2048
+    )
+    slow = score_naive(tiny_on_smollm2_vocab, smollm2_tokenizer, fmt, data.by_subject(), data.dev, 5)
+    assert fast.keys() == slow.keys() and len(fast) == 6
+    for key in fast:
+        torch.testing.assert_close(fast[key], slow[key], rtol=1e-4, atol=1e-5)
+
+
+def test_shared_prefix_is_the_longest_common_token_run(smollm2_tokenizer, mmlu_dir: Path) -> None:
+    data = load_mmlu(mmlu_dir, subjects="global_facts", limit=4)
+    prefix_text = letter_prefix("global_facts", data.dev["global_facts"][:5])
+    contexts = [smollm2_tokenizer(prefix_text + letter_block(i, False))["input_ids"] for i in data.test]
+    shared = shared_length(contexts)
+    assert all(c[:shared] == contexts[0][:shared] for c in contexts)
+    assert len({c[shared] for c in contexts if len(c) > shared}) > 1 or any(
+        len(c) == shared + 1 for c in contexts
+    )
+    assert shared_length([[1, 2, 3], [1, 2, 4], [1, 5]]) == 1
+    assert shared_length([[7, 8, 9]]) == 2
+    assert shared_length([[1, 2], [3, 4]]) == 0
+
+
+def test_no_shared_prefix_scores_the_same_as_a_split_one(tiny) -> None:
+    model, tokenizer = tiny
+    scorer = Scorer(model, tokenizer, token_budget=1024)
+    sequences = [[5, 9, 17, 33, 40, 41], [5, 9, 17, 60, 61, 62, 63]]
+    whole = [Request(str(i), s, [s[-1]], [len(s) - 2]) for i, s in enumerate(sequences)]
+    split = [Request(str(i), s[2:], [s[-1]], [len(s) - 4]) for i, s in enumerate(sequences)]
+    alone = scorer.run([], whole)
+    shared = scorer.run(sequences[0][:2], split)
+    for index in alone:
+        torch.testing.assert_close(alone[index], shared[index], rtol=1e-4, atol=1e-5)

@@ -1,0 +1,187 @@
+"""`qpack compare`: several artifacts side by side against one reference, the table a model-build PR needs.
+
+Each artifact is evaluated on the same MMLU questions (fixed sample: `--limit`, or all) against the same
+reference. The reference is scored once: the first evaluation fills the reference-score cache and the others
+read it (with --no-cache it is scored for each). Speed is measured in a fresh worker process per artifact
+(qpack's engine, batch 1: prefill of a `prompt_tokens` random prompt, then `new_tokens` decode steps, the
+median of `repeats`), one artifact after the other, so the numbers are comparable within one run only.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from evals.evaluate import EvaluateConfig, evaluate
+from quantize.artifact import read_manifest
+from quantize.errors import QpackError
+from quantize.fileio import write_bytes, write_json
+from quantize.progress import NULL_PROGRESS, Progress
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    artifacts: tuple[Path, ...]
+    reference: str | None = None
+    mmlu: Path | None = None
+    subjects: str | None = None
+    limit: int | None = None
+    shots: int = 5
+    fmt: str = "letter"
+    seed: int = 0
+    cache: bool = True
+    speed: bool = True
+    prompt_tokens: int = 256
+    new_tokens: int = 32
+    repeats: int = 3
+    output: Path | None = None
+
+    def validate(self) -> None:
+        problems = []
+        if not self.artifacts:
+            problems.append("name at least one artifact directory")
+        for path in self.artifacts:
+            if not (Path(path) / "manifest.json").is_file():
+                problems.append(f"{path} is not an artifact (no manifest.json)")
+        if len(set(map(str, self.artifacts))) != len(self.artifacts):
+            problems.append("an artifact is named twice")
+        if self.prompt_tokens < 1 or self.new_tokens < 2 or self.repeats < 1:
+            problems.append("--prompt-tokens must be >= 1, --new-tokens >= 2, --repeats >= 1")
+        if self.output is not None and not _stem(Path(self.output)).parent.is_dir():
+            problems.append(
+                f"folder {_stem(Path(self.output)).parent} does not exist; create it or fix --output"
+            )
+        if problems:
+            raise QpackError("invalid compare options: " + "; ".join(problems))
+
+
+def measure_speed(artifact: Path, prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, float]:
+    from qpack.bench.decode import Worker
+
+    worker = Worker("artifact", str(artifact), 1, prompt_tokens + new_tokens)
+    try:
+        runs = [
+            worker.call(
+                {"batch": 1, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "seed": repeat}
+            )
+            for repeat in range(repeats + 1)
+        ][1:]  # the first run warms up
+    finally:
+        worker.close()
+    return {
+        "prefill_tokens_per_s": statistics.median(prompt_tokens / r["prefill_s"] for r in runs),
+        "decode_tokens_per_s": statistics.median((new_tokens - 1) / r["decode_s"] for r in runs),
+    }
+
+
+def _row(
+    artifact: Path, evaluated: dict[str, Any], fmt: str, speed: dict[str, float] | None
+) -> dict[str, Any]:
+    manifest = read_manifest(artifact)
+    size = manifest.get("size", {})
+    report = evaluated["formats"][fmt]
+    heldout = evaluated.get("heldout")
+    return {
+        "artifact": str(artifact),
+        "name": f"{manifest.get('name', artifact.name)} v{manifest.get('version', '')}",
+        "bytes": size.get("tensor_bytes"),
+        "ratio_to_fp32": size.get("ratio_to_fp32"),
+        "avg_bits": size.get("avg_bits_quantized"),
+        "speed": speed,
+        "accuracy": report["candidate"]["accuracy"],
+        "accuracy_ci95": report["candidate"]["ci95"],
+        "reference_accuracy": report["reference"]["accuracy"],
+        "drift_points": report["drift_points"],
+        "drift_ci95_points": report["drift_ci95_points"],
+        "flip_rate": report["flips"]["flip_rate"],
+        "answer_kl": report["answer_kl"]["mean"],
+        "heldout_kl": heldout["kl"] if heldout else None,
+        "questions": report["questions"],
+    }
+
+
+def compare(config: CompareConfig, progress: Progress = NULL_PROGRESS) -> dict[str, Any]:
+    config.validate()
+    rows, reference_id = [], None
+    for artifact in config.artifacts:
+        evaluated = evaluate(
+            EvaluateConfig(
+                artifact=Path(artifact),
+                reference=config.reference,
+                mmlu=config.mmlu,
+                subjects=config.subjects,
+                limit=config.limit,
+                shots=config.shots,
+                formats=(config.fmt,),
+                write=False,
+                seed=config.seed,
+                cache=config.cache,
+                sequential=False,
+            ),
+            progress,
+        ).result
+        reference_id = reference_id or evaluated["reference"]["id"]
+        if evaluated["reference"]["id"] != reference_id:
+            raise QpackError(
+                f"{artifact} has a different source model ({evaluated['reference']['id']} vs {reference_id}); "
+                "pass --reference to compare against one model"
+            )
+        speed = None
+        if config.speed:
+            with progress.task(f"Speed: {Path(artifact).name} (batch 1)"):
+                speed = measure_speed(Path(artifact), config.prompt_tokens, config.new_tokens, config.repeats)
+        rows.append(_row(Path(artifact), evaluated, config.fmt, speed))
+    result = {
+        "reference": reference_id,
+        "format": config.fmt,
+        "shots": config.shots,
+        "limit": config.limit,
+        "speed_settings": {
+            "prompt_tokens": config.prompt_tokens,
+            "new_tokens": config.new_tokens,
+            "batch": 1,
+        },
+        "rows": rows,
+    }
+    if config.output is not None:
+        write_outputs(Path(config.output), result)
+    return result
+
+
+def compare_markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"### qpack compare against `{result['reference']}` (MMLU {result['format']}, {result['shots']}-shot, "
+        f"{result['rows'][0]['questions'] if result['rows'] else 0} questions)",
+        "",
+        "| artifact | size | avg bits | decode tok/s (b1) | prefill tok/s | MMLU acc (95% CI) | drift pts (95% CI) "
+        "| flips | KL |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in result["rows"]:
+        speed = row["speed"] or {}
+        low, high = row["drift_ci95_points"]
+        kl = row["heldout_kl"] if row["heldout_kl"] is not None else row["answer_kl"]
+        lines.append(
+            f"| {row['name']} | {(row['bytes'] or 0) / 2**20:.1f} MiB ({row['ratio_to_fp32']}x) | {row['avg_bits']} "
+            f"| {speed.get('decode_tokens_per_s', float('nan')):.1f} | {speed.get('prefill_tokens_per_s', float('nan')):.0f} "
+            f"| {row['accuracy']:.1%} [{row['accuracy_ci95'][0]:.1%}, {row['accuracy_ci95'][1]:.1%}] "
+            f"| {row['drift_points']:+.2f} [{low:+.2f}, {high:+.2f}] | {row['flip_rate']:.1%} | {kl:.4f} |"
+        )
+    lines += [
+        "",
+        "KL: next-token KL on held-out calibration queries where available, else the MMLU answer KL.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(path: Path, result: dict[str, Any]) -> None:
+    """PATH.md and PATH.json (a path ending in .md or .json names the pair), each written atomically."""
+    stem = _stem(path)
+    write_bytes(stem.with_suffix(".md"), compare_markdown(result).encode())
+    write_json(stem.with_suffix(".json"), result)
+
+
+def _stem(path: Path) -> Path:
+    return path.with_suffix("") if path.suffix in (".md", ".json") else path
