@@ -111,6 +111,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) 
             result["status"] = response.status_code
             if response.status_code != 200:
                 result["error"] = (await response.aread())[:300].decode(errors="replace")
+                result["e2e"] = time.perf_counter() - started
                 return result
             done = finish = False
             async for line in response.aiter_lines():
@@ -261,6 +262,7 @@ def run_chaos(artifact: Path, bodies: list[dict[str, Any]], args: argparse.Names
     """Gateway + 2 workers; one worker SIGKILLed and replaced every `--kill-every` seconds."""
     with LocalRedis(out / "redis-chaos") as queue:
         fleet = ["--redis", queue.url, "--claim-idle", str(args.claim_idle)]
+        fleet += ["--request-timeout", str(args.request_timeout)]
         gateway = Process(["--role", "gateway", *fleet], out / "chaos.log")
         worker_args = [str(artifact), "--role", "worker", "--threads", "1", *fleet, *args.engine]
         workers = [Process(worker_args, out / "chaos.log") for _ in range(2)]
@@ -335,7 +337,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=30)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--kill-every", type=float, default=20.0)
+    parser.add_argument("--kill-every", type=float, default=45.0)
     parser.add_argument("--claim-idle", type=float, default=3.0)
     parser.add_argument("--request-timeout", type=float, default=120.0)
     parser.add_argument("--restart-after", type=float, default=15.0)

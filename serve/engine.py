@@ -85,6 +85,7 @@ class _Stream:
     text: str = ""
     sent: int = 0
     max_stop: int = 0
+    resumed: list[int] = field(default_factory=list)  # output tokens another engine already delivered
 
 
 @dataclass
@@ -205,9 +206,17 @@ class Engine:
         cache_salt: bytes = b"",
         user: str | None = None,
         session_id: str | None = None,
+        resume_ids: list[int] | None = None,
+        resume_chars: int = 0,
     ) -> None:
+        """Queue a request. `resume_ids`/`resume_chars`: continue an answer another engine started (a fleet
+        worker taking over from a dead one): those output tokens join the context, count as completion tokens,
+        and the text of the first `resume_chars` characters is not sent again; `params.max_tokens` is what is
+        left to generate."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        resumed = list(resume_ids or [])
+        prompt_ids = [*prompt_ids, *resumed]
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
@@ -222,9 +231,12 @@ class Engine:
         seq = Sequence(
             request_id, list(prompt_ids), params, priority=priority, cache_salt=salt, session=session
         )
+        seq.sample_offset = len(resumed)
         if timeout is not None:
             seq.deadline = time.monotonic() + timeout
-        stream = _Stream(seq, max_stop=max((len(s) for s in params.stop), default=0))
+        stream = _Stream(
+            seq, sent=resume_chars, max_stop=max((len(s) for s in params.stop), default=0), resumed=resumed
+        )
         with self._wake:
             if request_id in self.streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -276,8 +288,8 @@ class Engine:
             token_ids=ids,
             finished=finished,
             finish_reason=seq.finish_reason,
-            prompt_tokens=len(seq.prompt_ids),
-            completion_tokens=len(seq.output_ids),
+            prompt_tokens=len(seq.prompt_ids) - len(stream.resumed),
+            completion_tokens=len(stream.resumed) + len(seq.output_ids),
             cached_tokens=seq.cached_prompt_tokens,
         )
 
@@ -311,7 +323,7 @@ class Engine:
             self.metrics.generated_tokens.inc()
             if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        text = self.tokenizer.decode([*stream.resumed, *seq.output_ids], skip_special_tokens=True)
         if params.stop:
             start = max(0, stream.sent - stream.max_stop)
             hits = [(text.find(stop, start), stop) for stop in params.stop]

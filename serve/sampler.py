@@ -1,10 +1,15 @@
 """Next-token sampling: greedy, temperature, top-k, top-p, each request with its own seeded generator.
 
 A request's random stream depends only on its own seed, never on which other requests share its batch, so
-the same request gives the same output alone or among 16 concurrent ones.
+the same request gives the same output alone or among 16 concurrent ones. The generator is reseeded for every
+token from (seed, token index), so the draw for token i does not depend on how many random numbers earlier
+draws consumed: an engine that continues an answer after token i (a fleet worker taking over from a dead one)
+samples exactly what the first engine would have.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -33,5 +38,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             ordered = ordered.masked_fill(drop, float("-inf"))
             scores = torch.full_like(scores, float("-inf")).scatter(0, order, ordered)
         probs = torch.softmax(scores, dim=-1)
+        assert seq.generator is not None
+        seq.generator.manual_seed(token_seed(seq.seed, seq.sample_offset + len(seq.output_ids)))
         tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
     return tokens
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed of a request's INDEX-th output token."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest(), "big") >> 1

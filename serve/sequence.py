@@ -56,6 +56,10 @@ class Sequence:
     last_token_time: float | None = None
     cached_prompt_tokens: int = 0
     generator: torch.Generator | None = None
+    seed: int = 0  # the request's seed (drawn at random when it gave none)
+    sample_offset: int = (
+        0  # output tokens that came before this engine's (a fleet worker continuing an answer)
+    )
     cache_salt: bytes = b""  # tenants with different salts never share prefix-cache blocks
     session: tuple[str, str] | None = None  # (user, session id) its stored blocks are recorded under
     _keys: list[PrefixKey] = field(default_factory=list, repr=False)
@@ -63,8 +67,9 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.params.greedy:
             self.generator = torch.Generator()
-            seed = self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-            self.generator.manual_seed(seed)
+            self.seed = (
+                self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+            )
 
     @property
     def all_ids(self) -> list[int]:

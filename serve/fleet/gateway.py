@@ -172,12 +172,12 @@ class Gateway:
         return request, parsed
 
     async def chunks(self, request: P.FleetRequest) -> AsyncIterator[P.Chunk]:
-        """The request's answer, each token once: chunks a regeneration repeats are skipped."""
+        """The request's answer, each token once, across the attempts that wrote it (`protocol.Chain`)."""
         stream = P.response_stream(request.request_id)
         if self.reader is None:
             self.reader = ResponseReader(self.config.redis_url, self.redis)
         await self.reader.open(stream)
-        delivered, workers = -1, set()
+        chain, workers = P.Chain(), set()
         try:
             while True:
                 fields = await self.reader.next(stream, max(0.0, request.deadline - time.time()))
@@ -188,17 +188,14 @@ class Gateway:
                     return
                 chunk = P.Chunk.decode(fields)
                 workers.add(chunk.worker)
+                if not chain.take(chunk):
+                    continue
                 if chunk.kind in ("done", "error"):
                     if len(workers) > 1:
                         self.metrics.regenerations.inc()
                     yield chunk
                     return
-                if chunk.kind == "delta" and chunk.tokens > delivered:
-                    delivered = chunk.tokens
-                    yield chunk
-                elif chunk.kind == "accepted" and delivered < 0:
-                    delivered = 0
-                    yield chunk
+                yield chunk
         finally:
             self.reader.close(stream)
             await self._forget(request)

@@ -13,10 +13,11 @@ Layout (all keys under `qpack:`):
   worker's entries ever go idle that long).
 - `resp:{request id}`: the request's response stream, one entry per output chunk, read by the gateway with
   XREAD from where it stopped. A per-request stream rather than pub/sub: entries persist until read (a gateway
-  that reconnects, or a request whose worker died and whose regeneration starts over, reads from an index and
-  loses nothing), and each chunk carries the number of tokens generated so far, so the gateway forwards only
-  what it has not delivered: a regeneration with the same seed produces the same chunks, and the client sees
-  no duplicate and no gap.
+  that reconnects, or a request whose worker died, reads from an index and loses nothing). Each chunk carries
+  its attempt, the token count so far and its token ids; a worker that takes over a dead worker's request
+  reads the stream and *continues* the answer from its last delivered token (attempt + 1; `Chain`), rather
+  than regenerating it and relying on float-identical replay: the client sees one coherent answer with no
+  duplicate and no gap, and no generated token is lost to a crash.
 - `cancel:{request id}`: set by a gateway whose client went away; the worker aborts the request.
 - A `forget` entry (user, session) in every live worker's own stream: a session deletion (privacy request) that
   each worker applies to its pool and tiers.
@@ -103,6 +104,7 @@ class Chunk:
     error: dict[str, Any] | None = None
     worker: str = ""
     attempt: int = 1
+    ids: list[int] | None = None  # the token ids this delta (or the last one, in `done`) adds
 
     def encode(self) -> dict[str, str]:
         return {
@@ -117,6 +119,41 @@ class Chunk:
         if isinstance(raw, bytes):
             raw = raw.decode()
         return cls(**json.loads(str(raw)))
+
+
+@dataclass
+class Chain:
+    """The one answer a client sees on a response stream that several attempts may have written to.
+
+    A worker that takes over a request from a dead one continues the answer from what is on the stream (its
+    `attempt` is one higher, its first delta starts at the token count it found), so a chunk joins the chain
+    only if it comes from the newest attempt seen and starts exactly where the chain ends: the gateway uses
+    this to deliver each token once, and a taking-over worker to find where to continue. Pure, no Redis."""
+
+    attempt: int = 0
+    tokens: int = -1  # -1 until the request is accepted
+    ids: list[int] = field(default_factory=list)
+    chars: int = 0
+
+    def take(self, chunk: Chunk) -> bool:
+        """Whether CHUNK extends the answer (and if so, extend it)."""
+        if chunk.attempt < self.attempt:
+            return False
+        self.attempt = chunk.attempt
+        if chunk.kind == "accepted":
+            if self.tokens >= 0:
+                return False
+            self.tokens = 0
+            return True
+        if chunk.kind == "error":
+            return True
+        new = list(chunk.ids or [])
+        if chunk.tokens - len(new) != max(self.tokens, 0) or (chunk.kind == "delta" and not new):
+            return False
+        self.tokens = chunk.tokens
+        self.ids.extend(new)
+        self.chars += len(chunk.text)
+        return True
 
 
 @dataclass

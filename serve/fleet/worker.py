@@ -13,6 +13,7 @@ refreshed every second with a short TTL; in-flight entries are re-claimed to thi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -67,6 +68,7 @@ class FleetWorker:
         self.capacity = engine.config.max_num_seqs + engine.config.max_queue // 4
         self.inflight: dict[str, _InFlight] = {}
         self.claimed = 0
+        self.resumed_tokens = 0  # tokens of answers continued from a dead worker's attempt
         self._chunks: queue.Queue[tuple[str, P.Chunk, _InFlight | None] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -229,9 +231,10 @@ class FleetWorker:
             pipe.xdel(stream, entry_id)
             pipe.execute()
             return
-        item = _InFlight(stream, entry_id, attempt)
+        chain = self._chain(request.request_id) if attempt > 1 else P.Chain()
+        item = _InFlight(stream, entry_id, chain.attempt + 1)
         try:
-            prompt_tokens = self._admit(request, item)
+            prompt_tokens = self._admit(request, item, chain)
         except ApiError as error:
             with self._lock:
                 self.inflight.pop(request.request_id, None)
@@ -239,10 +242,27 @@ class FleetWorker:
                 request.request_id, P.Chunk("error", status=error.status, error=error.body()["error"]), item
             )
             return
+        if prompt_tokens is None:  # nothing left to generate
+            return
         self._send(
             request.request_id,
-            P.Chunk("accepted", tokens=0, usage={"prompt_tokens": prompt_tokens}, attempt=attempt),
+            P.Chunk(
+                "accepted",
+                tokens=max(chain.tokens, 0),
+                usage={"prompt_tokens": prompt_tokens},
+                attempt=item.attempt,
+            ),
         )
+
+    def _chain(self, request_id: str) -> P.Chain:
+        """What a previous attempt already delivered on the request's response stream."""
+        chain = P.Chain()
+        for _entry_id, fields in self.redis.xrange(P.response_stream(request_id)):
+            try:
+                chain.take(P.Chunk.decode(fields))
+            except (ValueError, TypeError, KeyError):
+                continue
+        return chain
 
     def _forget(self, stream: str, entry_id: str, fields: Any) -> None:
         """A session deletion broadcast by a gateway: drop its KV here, then acknowledge."""
@@ -257,11 +277,19 @@ class FleetWorker:
         pipe.xdel(stream, entry_id)
         pipe.execute()
 
-    def _admit(self, request: P.FleetRequest, item: _InFlight) -> int:
-        """Validate, tokenize and queue the request on the engine; ApiError carries what the client gets."""
+    def _admit(self, request: P.FleetRequest, item: _InFlight, chain: P.Chain) -> int | None:
+        """Validate, tokenize and queue the request on the engine, continuing CHAIN's answer if a previous
+        attempt delivered part of it; ApiError carries what the client gets."""
         if time.time() > request.deadline:
             raise ApiError(504, "request timed out", kind="timeout")
         ids, params = self._prepare(request)
+        done = len(chain.ids)
+        self.resumed_tokens += done
+        if done:
+            params = dataclasses.replace(params, max_tokens=params.max_tokens - done)
+            if params.max_tokens < 1:
+                self._finish_resumed(request, item, chain, len(ids))
+                return None
         with self._lock:
             self.inflight[request.request_id] = item
         try:
@@ -275,6 +303,8 @@ class FleetWorker:
                 cache_salt=str(request.body.get("cache_salt") or "").encode(),
                 user=request.body.get("user"),
                 session_id=request.body.get("session_id"),
+                resume_ids=chain.ids,
+                resume_chars=chain.chars,
             )
         except QueueFull as exc:
             raise ApiError(
@@ -283,6 +313,18 @@ class FleetWorker:
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         return len(ids)
+
+    def _finish_resumed(self, request: P.FleetRequest, item: _InFlight, chain: P.Chain, prompt: int) -> None:
+        """A previous attempt generated every token but died before saying so: only the end is missing."""
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": chain.tokens,
+            "total_tokens": prompt + chain.tokens,
+        }
+        chunk = P.Chunk(
+            "done", tokens=chain.tokens, finish_reason="length", usage=usage, attempt=item.attempt, ids=[]
+        )
+        self._reply(request.request_id, chunk, item)
 
     def _prepare(self, request: P.FleetRequest) -> tuple[list[int], Any]:
         parsed = parse_request({**request.body, "seed": request.seed}, request.chat)
@@ -295,7 +337,13 @@ class FleetWorker:
             if not output.finished:
                 self._send(
                     request_id,
-                    P.Chunk("delta", tokens=output.completion_tokens, text=output.text, attempt=item.attempt),
+                    P.Chunk(
+                        "delta",
+                        tokens=output.completion_tokens,
+                        text=output.text,
+                        attempt=item.attempt,
+                        ids=output.token_ids,
+                    ),
                 )
                 return
             if output.finish_reason in ("abort", "timeout", "error"):
@@ -315,6 +363,7 @@ class FleetWorker:
                     finish_reason=output.finish_reason,
                     usage=_usage(output),
                     attempt=item.attempt,
+                    ids=output.token_ids,
                 )
             self._reply(request_id, chunk, item)
 

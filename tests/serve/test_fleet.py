@@ -254,9 +254,12 @@ def start_worker_process(model_dir: Path, url: str, port: int) -> subprocess.Pop
     )
 
 
-def test_a_sigkilled_workers_request_is_regenerated_and_resumed_without_duplicates(
+def test_a_sigkilled_workers_request_is_continued_without_duplicates(
     tiny_llama: Path, local_redis: LocalRedis, reference: str
 ) -> None:
+    """The rescuer continues from the tokens the dead worker delivered, sampling each next token from the same
+    (seed, index) stream, so the one right answer is the single server's: any duplicated, missing or diverging
+    token would change the text."""
     body = {**STORY, "max_tokens": 200, "stream": True, "session_id": "chat-1"}
     expected = httpx.post(f"{reference}/v1/completions", json={**body, "stream": False}, timeout=120)
     expected_text = expected.json()["choices"][0]["text"]
@@ -280,8 +283,27 @@ def test_a_sigkilled_workers_request_is_regenerated_and_resumed_without_duplicat
         lines = [line for line in lines if line]
         assert lines[-1] == "data: [DONE]"
         assert sse_text(lines) == expected_text  # every token once, in order, as the single server says
+        assert rescuer.resumed_tokens >= 3  # continued, not regenerated from the start
         client = redis.Redis.from_url(local_redis.url)
         assert client.xlen(P.worker_stream(victim)) == 0
     finally:
         process.kill()
         process.wait(timeout=10)
+
+
+def test_chain_takes_each_token_once_from_the_newest_attempt() -> None:
+    def delta(attempt: int, tokens: int, text: str) -> P.Chunk:
+        return P.Chunk("delta", tokens=tokens, text=text, attempt=attempt, ids=[100 + tokens])
+
+    chain = P.Chain()
+    assert chain.take(P.Chunk("accepted", attempt=1))
+    assert chain.take(delta(1, 1, "a")) and chain.take(delta(1, 2, "b"))
+    assert not chain.take(delta(1, 2, "b"))  # a repeat
+    assert chain.take(P.Chunk("accepted", tokens=2, attempt=2)) is False  # the rescuer's: nothing new
+    assert not chain.take(delta(2, 4, "d"))  # a gap
+    assert chain.take(delta(2, 3, "c"))
+    assert not chain.take(delta(1, 4, "x"))  # a stale attempt that was still running
+    assert chain.take(P.Chunk("done", tokens=3, text="!", attempt=2, ids=[]))
+    assert (chain.tokens, chain.ids, chain.chars, chain.attempt) == (3, [101, 102, 103], 4, 2)
+    fresh = P.Chain()
+    assert fresh.take(P.Chunk("accepted", attempt=2))  # the first attempt died before accepting

@@ -106,6 +106,34 @@ def test_seeded_sampling_is_batch_independent(model_and_tokenizer) -> None:
     assert other != alone
 
 
+def test_a_continued_answer_samples_what_the_first_engine_would_have(model_and_tokenizer) -> None:
+    """A fleet worker taking over after token k: same (seed, index) draws, so the same remaining tokens."""
+    model, tokenizer = model_and_tokenizer
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    config = EngineConfig(block_size=4, kv_memory="8MB")
+    whole = run(Engine(model, tokenizer, config), [PROMPTS[3]], params)["r0"]
+    texts: list[str] = []
+    engine = Engine(model, tokenizer, config)
+    rest: list[int] = []
+
+    def collect(output: RequestOutput) -> None:
+        rest.extend(output.token_ids)
+        texts.append(output.text)
+        if output.finished:
+            assert (output.prompt_tokens, output.completion_tokens) == (len(PROMPTS[3]), 12)
+
+    sent = len(tokenizer.decode(whole[:5], skip_special_tokens=True))
+    engine.add(
+        "r0", PROMPTS[3], params.replace(max_tokens=7), collect, resume_ids=whole[:5], resume_chars=sent
+    )
+    while engine.has_work():
+        engine.step()
+    assert rest == whole[5:]
+    assert tokenizer.decode(whole[:5], skip_special_tokens=True) + "".join(texts) == tokenizer.decode(
+        whole, skip_special_tokens=True
+    )
+
+
 def test_compiled_decode_matches_eager(tiny_llama) -> None:
     source = resolve_model(str(tiny_llama))
     model, tokenizer = load_model(source), load_tokenizer(source)
