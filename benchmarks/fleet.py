@@ -7,10 +7,14 @@ server's for that seed. Runs, each on fresh processes and a fresh `redis-server`
 1. `single`: `qpack serve ART --threads 2` (the baseline, and the reference answers).
 2. `fleet`: `qpack serve ART --role all --workers 2` (a gateway and two 1-thread workers): throughput and TTFT
    against `single`, and Redis's own cost per request (commands, microseconds of Redis CPU, bytes) from INFO.
-3. `chaos`: a gateway and two worker processes; every `--kill-every` seconds one worker is SIGKILLed and a new
-   one started. Counts lost (no answer), malformed (a stream that does not parse or end with [DONE]), and
-   answers that differ from `single` (a duplicated or missing token would show here).
-4. `redis-restart`: `redis-server` with AOF, stopped and started again mid-run: no request may run past its
+3. `overhead`: what the gateway and Redis add to a request's TTFT: `--overhead-requests` requests one at a
+   time, alternating between a single server and a gateway + one worker with the same 2 threads.
+4. `chaos`: a gateway and two worker processes; every `--kill-every` seconds one worker is SIGKILLed and a new
+   one started; the survivor continues the dead worker's answers. Counts lost (no answer), malformed (a stream
+   that does not parse or end with [DONE]), and answers that differ from `single` (compare with `fleet`'s
+   count, which has no faults: prefill GEMMs are not batch-invariant, so a few answers sampled at T=0.8
+   diverge late even without faults).
+5. `redis-restart`: `redis-server` with AOF, stopped and started again mid-run: no request may run past its
    deadline (`--request-timeout`), and the fleet must answer again afterwards.
 
     python benchmarks/fleet.py out/perf/int8 --out out/fleet
@@ -258,6 +262,37 @@ def run_fleet(artifact: Path, bodies: list[dict[str, Any]], args: argparse.Names
     return run, cost
 
 
+def run_overhead(artifact: Path, bodies: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> dict:
+    """What the gateway and Redis add to one request: the same `--overhead-requests` requests one at a time,
+    alternating between a single server and a gateway in front of one worker with the same 2 threads."""
+    sample = [{**b, "max_tokens": 8} for b in bodies[: args.overhead_requests]]
+    with LocalRedis(out / "redis-overhead") as queue:
+        single = Process([str(artifact), "--threads", "2", *args.engine], out / "overhead.log")
+        gateway = Process(["--role", "gateway", "--redis", queue.url], out / "overhead.log")
+        worker = Process(
+            [str(artifact), "--role", "worker", "--redis", queue.url, "--threads", "2", *args.engine],
+            out / "overhead.log",
+        )
+        try:
+            single.wait_ready()
+            gateway.wait_ready(workers=1)
+            ttft: dict[str, list[float]] = {"single": [], "fleet": []}
+            for body in sample[:2] + sample:  # the first two warm both up
+                for name, url in (("single", single.url), ("fleet", gateway.url)):
+                    result = replay(url, [body], 1, args.request_timeout)["results"][0]
+                    if result["ttft"] is not None:
+                        ttft[name].append(result["ttft"])
+        finally:
+            for process in (single, gateway, worker):
+                process.stop()
+    p50 = {name: 1000 * percentile(values[2:], 50) for name, values in ttft.items()}
+    return {
+        "requests": len(sample),
+        "ttft_p50_ms": {name: round(value, 1) for name, value in p50.items()},
+        "ttft_p50_overhead_ms": round(p50["fleet"] - p50["single"], 1),
+    }
+
+
 def run_chaos(artifact: Path, bodies: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> tuple:
     """Gateway + 2 workers; one worker SIGKILLed and replaced every `--kill-every` seconds."""
     with LocalRedis(out / "redis-chaos") as queue:
@@ -342,7 +377,8 @@ def main() -> None:
     parser.add_argument("--request-timeout", type=float, default=120.0)
     parser.add_argument("--restart-after", type=float, default=15.0)
     parser.add_argument("--redis-down", type=float, default=2.0)
-    parser.add_argument("--runs", default="single,fleet,chaos,redis-restart")
+    parser.add_argument("--overhead-requests", type=int, default=40)
+    parser.add_argument("--runs", default="single,fleet,overhead,chaos,redis-restart")
     args = parser.parse_args()
     args.engine = ["--kv-memory", "256MB", "--max-num-seqs", "32"]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -366,6 +402,9 @@ def main() -> None:
             ),
         }
         print("fleet", json.dumps(report["fleet"]), json.dumps(report["fleet_vs_single"]), flush=True)
+    if "overhead" in runs:
+        report["overhead"] = run_overhead(args.artifact, bodies, args, args.out)
+        print("overhead", json.dumps(report["overhead"]), flush=True)
     if "chaos" in runs:
         chaos, faults = run_chaos(args.artifact, bodies, args, args.out)
         report["chaos"] = {**summary(chaos, reference), **faults}

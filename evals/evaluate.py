@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from torch import nn
 
 from evals.mmlu import load_mmlu
 from evals.paired import PairScoring, score_fixed, score_sequential
-from evals.refcache import ReferenceCache, ReferenceKey, tokenizer_sha256
+from evals.refcache import HeldoutCache, ReferenceCache, ReferenceKey, head_sha256, tokenizer_sha256
 from evals.report import drift_png, kl_histogram_png, markdown
 from evals.scoring import FORMATS
 from quantize.artifact import FORMAT as ARTIFACT_FORMAT
@@ -111,18 +112,41 @@ def _is_artifact(spec: str) -> bool:
         return False
 
 
-def load_reference(
+class LazyReference:
+    """The reference model, loaded only when something is not in the caches (for a 7B FP32 reference, tens of
+    GB and minutes saved per CI run)."""
+
+    def __init__(self, load: Callable[[], nn.Module], progress: Progress) -> None:
+        self._load = load
+        self._model: nn.Module | None = None
+        self.progress = progress
+
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    def get(self) -> nn.Module:
+        if self._model is None:
+            with self.progress.task("Loading the reference model"):
+                self._model = self._load()
+        return self._model
+
+
+def describe_reference(
     spec: str | None, manifest: dict[str, Any], progress: Progress
-) -> tuple[nn.Module, dict[str, Any]]:
+) -> tuple[LazyReference, dict[str, Any]]:
+    """The reference's identity (what its cached results are keyed by) and a loader for the model itself."""
     source = manifest.get("source", {})
     if spec is not None and _is_artifact(spec):
-        loaded = load_artifact(spec)
-        return loaded.model, {
-            "id": f"{loaded.name} v{loaded.version}",
+        path = Path(spec).expanduser().resolve()
+        reference_manifest = verify_artifact(path, read_manifest(path))
+        info = {
+            "id": f"{reference_manifest.get('name', path.name)} v{reference_manifest.get('version', '')}",
             "kind": "artifact",
-            "path": str(loaded.path),
-            "content_sha256": content_sha256(loaded.manifest),
+            "path": str(path),
+            "content_sha256": content_sha256(reference_manifest),
         }
+        return LazyReference(lambda: load_artifact(path, verify=False).model, progress), info
     resolved = resolve_model(spec or source.get("model_id"), progress)
     sha = weights_sha256(resolved)
     if spec is None and source.get("weights_sha256") and sha != source["weights_sha256"]:
@@ -131,7 +155,14 @@ def load_reference(
             f"{source['weights_sha256'][:12]}); pass --reference explicitly"
         )
     info = {"id": resolved.model_id, "kind": resolved.kind, "weights_sha256": sha, "content_sha256": sha}
-    return load_model(resolved), info
+    return LazyReference(lambda: load_model(resolved), progress), info
+
+
+def load_reference(
+    spec: str | None, manifest: dict[str, Any], progress: Progress
+) -> tuple[nn.Module, dict[str, Any]]:
+    reference, info = describe_reference(spec, manifest, progress)
+    return reference.get(), info
 
 
 def reference_caches(
@@ -151,16 +182,35 @@ def reference_caches(
 
 
 def heldout_quality(
-    reference: nn.Module, candidate: nn.Module, calibration: Path, tokens: int, seed: int, progress: Progress
+    reference: LazyReference,
+    candidate: nn.Module,
+    calibration: Path,
+    tokens: int,
+    seed: int,
+    progress: Progress,
+    cache: HeldoutCache | None = None,
 ) -> dict[str, Any]:
-    from quantize.quality import compare_to_reference, eval_packs, reference_hidden
+    """Next-token KL and perplexities on held-out calibration queries. The reference's final hidden states come
+    from the cache when present, and its head is the candidate's when they are the same weights (the FP32 head
+    is kept as is by quantization), so a cached run never loads the reference."""
+    from quantize.layerwise import LayerwiseModel
+    from quantize.quality import compare_hidden, eval_packs, reference_hidden
 
     data = CalibrationData.load(calibration)
     packs = eval_packs(data, tokens, seed)
+    candidate_head = LayerwiseModel(candidate).lm_head
     with progress.task(f"Held-out queries: perplexity and KL ({sum(p.num_tokens for p in packs)} tokens)"):
-        hidden = reference_hidden(reference, packs)
-        quality = compare_to_reference(candidate, packs, hidden, reference.lm_head)
+        stored = cache.load(data.manifest_sha256, tokens, seed) if cache is not None else None
+        if stored is not None and stored.head_sha256 == head_sha256(candidate_head):
+            hidden, head, source = stored.hidden, candidate_head, "cache"
+        else:
+            model = reference.get()
+            hidden, head, source = reference_hidden(model, packs), LayerwiseModel(model).lm_head, "computed"
+            if cache is not None:
+                cache.store(data.manifest_sha256, tokens, seed, hidden, head_sha256(head))
+        quality = compare_hidden(packs, hidden, reference_hidden(candidate, packs), head, candidate_head)
     quality["calibration_manifest_sha256"] = data.manifest_sha256
+    quality["reference_hidden"] = source
     return quality
 
 
@@ -230,7 +280,7 @@ def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> Eval
         raise QpackError(f"calibration directory {config.calibration} does not exist; fix --calibration")
 
     loaded = load_artifact(artifact_dir)
-    reference, reference_info = load_reference(config.reference, manifest, progress)
+    reference, reference_info = describe_reference(config.reference, manifest, progress)
     tokenizer = load_tokenizer(artifact_dir)
     scoring = PairScoring(
         reference,
@@ -252,7 +302,15 @@ def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> Eval
     if calibration_ok:
         phase = time.perf_counter()
         heldout = heldout_quality(
-            reference, loaded.model, Path(calibration), config.heldout_tokens, config.seed, progress
+            reference,
+            loaded.model,
+            Path(calibration),
+            config.heldout_tokens,
+            config.seed,
+            progress,
+            HeldoutCache(config.cache_dir or cache_dir(), reference_info["content_sha256"])
+            if config.cache
+            else None,
         )
         timings["heldout"] = time.perf_counter() - phase
     reasons = check_gate(config.gate, formats, heldout)
@@ -275,6 +333,7 @@ def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> Eval
         else f"calibration directory {calibration or '(none)'} not found; skipped",
         "items_per_second": items_per_second,
         "reference_cache": scoring.cache_summary(),
+        "reference_loaded": reference.loaded,
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "gate": {"checked": config.gate.checked(), "passed": not reasons, "reasons": reasons},
         "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

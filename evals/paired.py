@@ -25,7 +25,7 @@ from evals.sequential import GateSequence
 from quantize.progress import NULL_PROGRESS, Progress
 
 if TYPE_CHECKING:
-    from evals.evaluate import EvaluateConfig
+    from evals.evaluate import EvaluateConfig, LazyReference
 
 FIRST_CHUNK = (
     600  # questions before the first look; later chunks grow by half (at most 50% scored past a decision)
@@ -41,7 +41,7 @@ def by_subject(items: list[Item]) -> dict[str, list[Item]]:
 
 @dataclass
 class PairScoring:
-    reference: nn.Module
+    reference: LazyReference
     candidate: nn.Module
     tokenizer: Any
     dev: dict[str, list[Item]]
@@ -77,7 +77,7 @@ class PairScoring:
         cache = self.caches.get(fmt)
         stored = cache.load() if cache is not None else {}
         missing = [item for item in items if item.key not in stored]
-        fresh = self._score(self.reference, fmt, missing, "reference")
+        fresh = self._score(self.reference.get(), fmt, missing, "reference") if missing else {}
         if cache is not None and fresh:
             cache.store(fresh)
         self.cache_hits[fmt] = self.cache_hits.get(fmt, 0) + len(items) - len(missing)

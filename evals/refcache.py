@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from quantize.fileio import write_json
+from quantize.fileio import write_bytes, write_json
 
 LOWEST = -1e300  # JSON has no -inf: a log-prob of -inf is stored as this
 SCORING_VERSION = 2  # 2: whole-string tokenization (lm-eval's); 1 tokenized prefix and question apart
@@ -58,6 +58,80 @@ def tokenizer_sha256(folder: Path) -> str:
         if path.is_file():
             digest.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()
+
+
+def head_sha256(head: torch.nn.Module) -> str:
+    """SHA-256 of an LM head's weight (FP32 in every qpack artifact: the reference's own head, bit for bit)."""
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return ""
+    data = weight.detach().to("cpu").contiguous()
+    return hashlib.sha256(
+        str(data.dtype).encode() + str(tuple(data.shape)).encode() + data.view(torch.uint8).numpy().tobytes()
+    ).hexdigest()
+
+
+@dataclass
+class StoredHidden:
+    hidden: list[torch.Tensor]
+    head_sha256: str
+
+
+class HeldoutCache:
+    """The reference's final hidden states on the held-out packs ([tokens, hidden] each: 4.7 MB for SmolLM2's
+    2,048 tokens, 33 MB at 8B width), in ROOT/heldout-reference/DIGEST.safetensors, keyed by the reference's
+    content hash, the calibration manifest's hash, the token count, the seed and the scoring version."""
+
+    def __init__(self, root: Path, reference_sha256: str) -> None:
+        self.root = Path(root) / "heldout-reference"
+        self.reference_sha256 = reference_sha256
+
+    def _key(self, calibration_sha256: str, tokens: int, seed: int) -> dict[str, str]:
+        return {
+            "reference_sha256": self.reference_sha256,
+            "calibration_sha256": calibration_sha256,
+            "tokens": str(tokens),
+            "seed": str(seed),
+            "scoring_version": str(SCORING_VERSION),
+        }
+
+    def path(self, calibration_sha256: str, tokens: int, seed: int) -> Path:
+        digest = hashlib.sha256(
+            json.dumps(self._key(calibration_sha256, tokens, seed), sort_keys=True).encode()
+        )
+        return self.root / f"{digest.hexdigest()}.safetensors"
+
+    def load(self, calibration_sha256: str, tokens: int, seed: int) -> StoredHidden | None:
+        from quantize.tensorfile import read_safetensors
+
+        path = self.path(calibration_sha256, tokens, seed)
+        if not path.is_file():
+            return None
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as handle:
+                metadata = handle.metadata() or {}
+            tensors = read_safetensors(path, "held-out reference cache", "it will be rewritten")
+            if {k: metadata.get(k) for k in self._key(calibration_sha256, tokens, seed)} != self._key(
+                calibration_sha256, tokens, seed
+            ):
+                raise ValueError("its key does not match its name")
+            hidden = [tensors[f"pack.{i}"] for i in range(len(tensors))]
+            return StoredHidden(hidden, metadata.get("head_sha256", ""))
+        except Exception as exc:  # any damage: recompute, never trust
+            warnings.warn(f"ignoring the damaged held-out reference cache {path} ({exc})", stacklevel=2)
+            return None
+
+    def store(
+        self, calibration_sha256: str, tokens: int, seed: int, hidden: list[torch.Tensor], head: str
+    ) -> None:
+        from safetensors.torch import save
+
+        metadata = {**self._key(calibration_sha256, tokens, seed), "head_sha256": head}
+        data = save({f"pack.{i}": h.detach().contiguous() for i, h in enumerate(hidden)}, metadata=metadata)
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_bytes(self.path(calibration_sha256, tokens, seed), data)
 
 
 class ReferenceCache:

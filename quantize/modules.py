@@ -33,6 +33,7 @@ Each must match its handler's reference `dequantize` within stated tolerances (t
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, ClassVar
 
@@ -184,6 +185,44 @@ def _share_rows(fused: nn.Module, modules: list[nn.Module], names: tuple[str, ..
 _SCRATCH = threading.local()
 
 
+def dense_dtype() -> torch.dtype:
+    """The precision of prefill-sized GEMMs of int8/int4 linears (their weights dequantized, then one GEMM).
+
+    float32 by default. bfloat16 (activations and dequantized weights, float32 accumulation in oneDNN) where the
+    CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16), the prefill being compute-bound there; the
+    held-out KL cost of that choice is measured in benchmarks/dense_precision.py. `QPACK_DENSE_DTYPE=float32`
+    or `bfloat16` overrides. Evaluation and serving share these modules, so what is evaluated is what is
+    served on the same machine."""
+    global _DENSE_DTYPE
+    if _DENSE_DTYPE is None:
+        choice = os.environ.get("QPACK_DENSE_DTYPE", "auto").strip().lower()
+        if choice not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"QPACK_DENSE_DTYPE must be auto, float32 or bfloat16 (got {choice!r})")
+        if choice == "auto":
+            capabilities = torch.cpu.get_capabilities()
+            native = capabilities.get("amx_bf16") or capabilities.get("avx512_bf16")
+            choice = "bfloat16" if native else "float32"
+        _DENSE_DTYPE = torch.bfloat16 if choice == "bfloat16" else torch.float32
+    return _DENSE_DTYPE
+
+
+def reset_dense_dtype() -> None:
+    """Forget the cached choice (tests, or after changing QPACK_DENSE_DTYPE)."""
+    global _DENSE_DTYPE
+    _DENSE_DTYPE = None
+
+
+_DENSE_DTYPE: torch.dtype | None = None
+
+
+def _dense(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x2 [M, K] @ weight [N, K]^T (weight float32, dequantized) -> [M, N] float32, in `dense_dtype()`."""
+    dtype = dense_dtype() if not x2.is_cuda else torch.float32
+    if dtype == torch.float32:
+        return F.linear(x2.to(torch.float32), weight)
+    return F.linear(x2.to(dtype), weight.to(dtype)).to(torch.float32)
+
+
 def _scratch(shape: torch.Size, device: torch.device) -> torch.Tensor:
     """A per-thread float32 buffer reused for the dense (prefill) path's dequantized weight: one allocation for
     the process instead of a fresh multi-MB tensor per layer per call. Only under inference mode (serving,
@@ -295,7 +334,7 @@ class Int8Linear(QuantLinear):
             y = torch.cat([kernels.linear(part, self.qweight, self.scale) for part in rows])
         elif x2.shape[0] >= self.dense_min_rows:
             weight = P.dequantize_int8(qweight, self.scale, out=_scratch(qweight.shape, qweight.device))
-            y = F.linear(x2.to(torch.float32), weight)
+            y = _dense(x2, weight)
         else:
             y = _int8_kernel(x2, self.qweight, self.unit) * self.scale
         return self._finish(y, x).reshape(*x.shape[:-1], self.out_features)
@@ -407,12 +446,12 @@ class Int4Linear(QuantLinear):
         elif native_ok:
             weight = _scratch(torch.Size((self.qweight.shape[0], self.in_features)), self.qweight.device)
             kernels.dequantize_int4(self.qweight, self.scale, self.zero_point, weight)
-            y = F.linear(x2.to(torch.float32), weight)
+            y = _dense(x2, weight)
         elif x2.shape[0] >= self.dense_min_rows:
             weight = P.dequantize_int4(
                 P.unpack_int4(self.qweight), self.scale, self.zero_point, self.group_size
             )
-            y = F.linear(x2.to(torch.float32), weight)
+            y = _dense(x2, weight)
         else:
             packed, scale_and_zeros = self._packed()
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(

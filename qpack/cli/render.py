@@ -270,6 +270,8 @@ def _evaluation_rows(result: dict[str, Any]) -> list[tuple[str, Any]]:
         )
     )
     rows.append(("reference scores", _cache_line(result.get("reference_cache") or {})))
+    if not result.get("reference_loaded", True):
+        rows.append(("reference model", "not loaded: every reference result came from the cache"))
     for fmt, report in result["formats"].items():
         if "sequential" in report:
             rows.append((f"sequential gate ({fmt})", _sequential_line(report["sequential"])))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evals.refcache import ReferenceCache, ReferenceKey, tokenizer_sha256
+from evals.refcache import HeldoutCache, ReferenceCache, ReferenceKey, head_sha256, tokenizer_sha256
 
 KEY = ReferenceKey("a" * 64, "b" * 64, "c" * 64, "letter", 5)
 SCORES = {"anatomy/0": torch.tensor([-1.0, -2.0, -0.5, float("-inf")], dtype=torch.float64)}
@@ -60,3 +60,25 @@ def test_tokenizer_hash_follows_the_files(tmp_path: Path) -> None:
     second = tokenizer_sha256(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{ }")
     assert len({first, second, tokenizer_sha256(tmp_path)}) == 3
+
+
+def test_heldout_hidden_states_round_trip_and_refuse_damage(tmp_path: Path) -> None:
+    cache = HeldoutCache(tmp_path, "r" * 64)
+    hidden = [torch.randn(5, 8), torch.randn(3, 8)]
+    head = torch.nn.Linear(8, 11, bias=False)
+    assert cache.load("c" * 64, 2048, 0) is None
+    cache.store("c" * 64, 2048, 0, hidden, head_sha256(head))
+    stored = cache.load("c" * 64, 2048, 0)
+    assert stored is not None and stored.head_sha256 == head_sha256(head)
+    for got, want in zip(stored.hidden, hidden, strict=True):
+        assert torch.equal(got, want)
+    assert (
+        cache.load("c" * 64, 2048, 1) is None
+        and HeldoutCache(tmp_path, "s" * 64).load("c" * 64, 2048, 0) is None
+    )
+    other = torch.nn.Linear(8, 11, bias=False)
+    assert head_sha256(other) != head_sha256(head)
+    path = cache.path("c" * 64, 2048, 0)
+    path.write_bytes(path.read_bytes()[:-7])
+    with pytest.warns(UserWarning, match="damaged held-out reference cache"):
+        assert cache.load("c" * 64, 2048, 0) is None

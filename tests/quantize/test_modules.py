@@ -182,3 +182,34 @@ def test_fused_projection_equals_separate_ones(scheme: Scheme | None) -> None:
         fused_storage = getattr(fused, name).untyped_storage().data_ptr()
         assert all(getattr(m, name).untyped_storage().data_ptr() == fused_storage for m in modules)
     assert fuse_linears([modules[0]]) is None
+
+
+@pytest.mark.parametrize("scheme", [Int8(), Int4(64)])
+def test_dense_prefill_precision_is_a_choice(scheme: Scheme, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 by default here (no native bf16 GEMM on this CPU unless AMX/AVX512-BF16); bfloat16 on request,
+    within bf16 rounding of the float32 result."""
+    from quantize import modules
+
+    capabilities = torch.cpu.get_capabilities()
+    native = bool(capabilities.get("amx_bf16") or capabilities.get("avx512_bf16"))
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128) * 0.05
+    handler = handler_for(scheme)
+    module = handler.build(scheme, handler.quantize(scheme, weight), None, torch.device("cpu"))
+    x = torch.randn(160, 128)  # prefill-sized: the dense path with or without the native kernels
+    outputs = {}
+    for choice in ("auto", "float32", "bfloat16"):
+        monkeypatch.setenv("QPACK_DENSE_DTYPE", choice)
+        modules.reset_dense_dtype()
+        with torch.inference_mode():
+            outputs[choice] = module(x)
+        assert outputs[choice].dtype == torch.float32
+    modules.reset_dense_dtype()
+    assert torch.equal(outputs["auto"], outputs["bfloat16" if native else "float32"])
+    assert not torch.equal(outputs["float32"], outputs["bfloat16"])
+    torch.testing.assert_close(outputs["bfloat16"], outputs["float32"], rtol=3e-2, atol=2e-2)
+    monkeypatch.setenv("QPACK_DENSE_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="QPACK_DENSE_DTYPE"):
+        modules.reset_dense_dtype()
+        modules.dense_dtype()
+    modules.reset_dense_dtype()
