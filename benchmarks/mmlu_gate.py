@@ -177,6 +177,7 @@ def lmeval_crosscheck(
             task_manager=TaskManager(include_path=folder),
             log_samples=True,
             batch_size=4,
+            device="cpu",
         )
         theirs_s = time.perf_counter() - started
     agree = right_ours = right_theirs = total = 0
