@@ -44,16 +44,10 @@ class ReferenceKey:
 
 def tokenizer_sha256(folder: Path) -> str:
     """SHA-256 over the tokenizer files present in FOLDER (name and content of each)."""
+    from quantize.models import TOKENIZER_FILES
+
     digest = hashlib.sha256()
-    names = (
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "tokenizer.model",
-        "vocab.json",
-        "merges.txt",
-    )
-    for name in names:
+    for name in TOKENIZER_FILES:
         path = Path(folder) / name
         if path.is_file():
             digest.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())

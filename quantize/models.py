@@ -38,7 +38,7 @@ DEFAULT_MODEL = "smollm2-135m"
 SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 SOURCE_MARKER = "qpack_source.json"
-_TOKENIZER_FILES = (
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -426,7 +426,7 @@ def tokenizer_class(folder: Path) -> str:
 
 
 def tokenizer_files(folder: Path) -> list[Path]:
-    return [folder / name for name in _TOKENIZER_FILES if (folder / name).is_file()]
+    return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
 
 
 def weights_sha256(source: ModelSource) -> str:

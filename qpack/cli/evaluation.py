@@ -16,12 +16,10 @@ from qpack.cli.render import compare_table, eval_tables
 def evaluate(
     ctx: typer.Context,
     artifact: Path = typer.Argument(..., help="Artifact directory."),
-    reference: str | None = typer.Option(
-        None, "--reference", "-r", help="Reference model or artifact (default: source)."
-    ),
+    reference: opt.Reference = None,
     mmlu: opt.Mmlu = None,
     subjects: opt.Subjects = None,
-    limit: int | None = typer.Option(None, "--limit", help="At most N questions per subject (stratified)."),
+    limit: opt.Limit = None,
     shots: opt.Shots = 5,
     fmt: opt.Format = "letter",
     calibration: Path | None = typer.Option(
@@ -34,9 +32,7 @@ def evaluate(
     batch_tokens: int = typer.Option(4096, "--batch-tokens", help="Tokens per scoring batch."),
     write: bool = typer.Option(True, "--write/--no-write", help="Write results into the artifact."),
     seed: int = typer.Option(0, "--seed", help="Seed for --limit sampling, question order and bootstrap."),
-    cache: bool = typer.Option(
-        True, "--cache/--no-cache", help="Reuse the reference's scores from the user cache (and add to it)."
-    ),
+    cache: opt.Cache = True,
     sequential: bool = typer.Option(
         True,
         "--sequential/--all-questions",
@@ -86,16 +82,14 @@ def evaluate(
 def compare(
     ctx: typer.Context,
     artifacts: list[Path] = typer.Argument(..., help="Artifact directories."),
-    reference: str | None = typer.Option(
-        None, "--reference", "-r", help="Reference model or artifact (default: their source)."
-    ),
+    reference: opt.Reference = None,
     mmlu: opt.Mmlu = None,
     subjects: opt.Subjects = None,
-    limit: int | None = typer.Option(None, "--limit", help="At most N questions per subject (stratified)."),
+    limit: opt.Limit = None,
     shots: opt.Shots = 5,
     fmt: str = typer.Option("letter", "--format", help="letter or cloze."),
     speed: bool = typer.Option(True, "--speed/--no-speed", help="Measure batch-1 prefill and decode speed."),
-    cache: bool = typer.Option(True, "--cache/--no-cache", help="Reuse the reference's cached scores."),
+    cache: opt.Cache = True,
     output: Path | None = typer.Option(None, "--output", "-o", help="Write PATH.md and PATH.json."),
     seed: int = typer.Option(0, "--seed", help="Seed for --limit sampling and bootstrap."),
 ) -> None:

@@ -191,3 +191,11 @@ Compile = Annotated[
         "it can't run, no native kernels); minutes of warm-up at start.",
     ),
 ]
+Reference = Annotated[
+    str | None,
+    typer.Option("--reference", "-r", help="Reference model or artifact (default: the artifact's source)."),
+]
+Limit = Annotated[int | None, typer.Option("--limit", help="At most N questions per subject (stratified).")]
+Cache = Annotated[
+    bool, typer.Option("--cache/--no-cache", help="Reuse the reference's cached scores (and add to them).")
+]
