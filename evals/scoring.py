@@ -146,22 +146,18 @@ class Scorer:
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Per request index: its targets' log-probs and whether each target is the argmax token there."""
         prefix_kv = self._prefix(prefix)
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))  # widest first
+        batches: list[list[int]] = []
+        for index in order:
+            width = len(requests[batches[-1][0]].tokens) if batches else 0
+            if batches and (len(batches[-1]) + 1) * (len(prefix) + width) <= self.token_budget:
+                batches[-1].append(index)
+            else:
+                batches.append([index])
         results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        batch: list[int] = []
-        for index in [*order, None]:
-            width = len(requests[batch[0]].tokens) if batch else 0
-            full = index is None or (
-                batch
-                and (len(batch) + 1) * (len(prefix) + max(width, len(requests[index].tokens)))
-                > self.token_budget
-            )
-            if batch and full:
-                outputs = self._batch(prefix_kv, len(prefix), [requests[j] for j in batch])
-                results.update(zip(batch, outputs, strict=True))
-                batch = []
-            if index is not None:
-                batch.append(index)
+        for batch in batches:
+            outputs = self._batch(prefix_kv, len(prefix), [requests[j] for j in batch])
+            results.update(zip(batch, outputs, strict=True))
         return results
 
 
