@@ -65,6 +65,9 @@ class EvaluateConfig:
     cache_dir: Path | None = None
     sequential: bool = True
     confidence: float = 0.95
+    max_questions: int | None = (
+        None  # sequential: a gate still undecided after this many fails (a CI time cap)
+    )
 
     @property
     def is_sequential(self) -> bool:
@@ -86,6 +89,8 @@ class EvaluateConfig:
         for name, value in dataclasses.asdict(self.gate).items():
             if value is not None and value < 0:
                 problems.append(f"--{name.replace('_', '-')} must be >= 0 (got {value})")
+        if self.max_questions is not None and self.max_questions < 1:
+            problems.append(f"--max-questions must be at least 1 (got {self.max_questions})")
         if not 0.5 <= self.confidence < 1:
             problems.append(f"--confidence must be in [0.5, 1) (got {self.confidence})")
         if self.token_budget < 256:
@@ -241,7 +246,12 @@ def check_gate(gate: Gate, formats: dict[str, dict[str, Any]], heldout: dict[str
 
 
 def sequential_reasons(fmt: str, sequential: dict[str, Any]) -> list[str]:
-    reasons = []
+    reasons = [
+        f"MMLU {fmt} {'accuracy drop' if name == 'drift' else 'flip rate'} gate undecided after "
+        f"{sequential['scored']} questions (--max-questions): its {sequential['confidence']:.0%} interval still "
+        "contains the threshold; allow more questions or loosen the gate"
+        for name in sequential["undecided"]
+    ]
     for name, decision in sequential["decisions"].items():
         if decision["verdict"] != "fail":
             continue

@@ -125,8 +125,9 @@ def score_sequential(
     }
     scores: dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {f: ({}, {}) for f in gates}
     position, size = 0, FIRST_CHUNK
-    while position < len(order) and not all(gate.decided for gate in gates.values()):
-        chunk = order[position : position + size]
+    cap = min(len(order), config.max_questions or len(order))
+    while position < cap and not all(gate.decided for gate in gates.values()):
+        chunk = order[position : min(position + size, cap)]
         for fmt, gate in gates.items():
             reference = scoring.reference_scores(fmt, chunk)
             candidate = scoring.candidate_scores(fmt, chunk)
@@ -163,8 +164,10 @@ def sequential_summary(
     needed = max((d.questions for d in gate.decisions.values()), default=scored)
     if gate.decided and scored < population:
         reason = f"every gate decided after {needed} of {population} questions"
-    else:
+    elif gate.decided:
         reason = f"all {population} questions scored (the gates' values are then exact)"
+    else:
+        reason = f"undecided at the --max-questions cap of {scored} questions"
     return {
         "confidence": config.confidence,
         "method": "without-replacement empirical-Bernstein confidence sequence, uniform seeded order",
@@ -173,6 +176,7 @@ def sequential_summary(
         "questions_needed": needed,
         "stopped": reason,
         "decisions": decisions,
+        "undecided": [name for name in gate.gates if name not in gate.decisions],
         "drop_interval_points": list(gate.drop_interval()),
         "flip_rate_interval": list(gate.flip_interval()),
     }

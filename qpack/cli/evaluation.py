@@ -39,6 +39,11 @@ def evaluate(
         help="With --max-drift/--max-flip-rate and no --limit: stop once the gate is decided.",
     ),
     confidence: float = typer.Option(0.95, "--confidence", help="Confidence of the sequential gate."),
+    max_questions: int | None = typer.Option(
+        None,
+        "--max-questions",
+        help="Sequential: fail a gate still undecided after N questions (a time cap).",
+    ),
 ) -> None:
     from evals.evaluate import EvaluateConfig, Gate
     from evals.evaluate import evaluate as run_evaluate
@@ -61,6 +66,7 @@ def evaluate(
         cache=cache,
         sequential=sequential,
         confidence=confidence,
+        max_questions=max_questions,
     )
     evaluated = run(out, lambda: run_evaluate(config, out.progress()))
     result = evaluated.result
