@@ -5,8 +5,8 @@
    full 14,042-question time extrapolated from it (uncached: both models; cached: the artifact only).
 2. `cache`: the same `qpack evaluate` twice with a fresh reference cache: the first run's time, the second's
    (reference read from the cache), and that both give identical drift reports.
-3. `gate`: `qpack evaluate --max-drift 1.0` (sequential) on each artifact against a warm cache, with a
-   wall-clock budget per artifact: verdict, questions needed, the confidence interval when it stopped.
+3. `gate`: `qpack evaluate --max-drift 1.0` (sequential) on each artifact, sharing one reference cache, capped
+   at `--gate-max-questions`: verdict, questions needed, the confidence interval when it stopped.
 4. `lmeval`: FP32 reference scored by `qpack evaluate`'s scorer and by lm-evaluation-harness's own `hf` model
    on the same questions (lm-eval's standard MMLU prompt as local task files): accuracy of each and
    per-question agreement of the chosen letter.
@@ -104,45 +104,41 @@ def cache_run(artifact: Path, mmlu: Path, limit: int, shots: int, folder: Path) 
     }
 
 
-def gate_run(artifact: Path, mmlu: Path, shots: int, folder: Path, budget_s: float) -> dict[str, Any]:
-    """A sequential --max-drift 1.0 run, stopped (undecided) if it outlives the budget."""
-    import evals.paired
+def gate_run(
+    artifact: Path, mmlu: Path, shots: int, folder: Path, max_questions: int | None
+) -> dict[str, Any]:
+    """A sequential --max-drift 1.0 run, capped at MAX_QUESTIONS (undecided there counts as a fail)."""
     from evals.evaluate import EvaluateConfig, Gate, evaluate
 
     started = time.perf_counter()
-    original = evals.paired.PairScoring.candidate_scores
-
-    def candidate_scores(self: Any, fmt: str, items: list[Any]) -> Any:
-        if time.perf_counter() - started > budget_s:
-            raise TimeoutError
-        return original(self, fmt, items)
-
-    evals.paired.PairScoring.candidate_scores = candidate_scores  # type: ignore[method-assign]
-    try:
-        result = evaluate(
-            EvaluateConfig(
-                artifact=artifact,
-                mmlu=mmlu,
-                shots=shots,
-                cache_dir=folder,
-                write=False,
-                gate=Gate(max_drift=1.0),
-            )
-        ).result
-    except TimeoutError:
-        return {"verdict": "undecided within the budget", "budget_s": budget_s}
-    finally:
-        evals.paired.PairScoring.candidate_scores = original  # type: ignore[method-assign]
+    result = evaluate(
+        EvaluateConfig(
+            artifact=artifact,
+            mmlu=mmlu,
+            shots=shots,
+            cache_dir=folder,
+            write=False,
+            gate=Gate(max_drift=1.0),
+            max_questions=max_questions,
+        )
+    ).result
     sequential = result["formats"]["letter"]["sequential"]
     return {
         "seconds": round(time.perf_counter() - started, 1),
         "passed": result["gate"]["passed"],
+        "reasons": result["gate"]["reasons"],
         "decisions": sequential["decisions"],
+        "undecided": sequential["undecided"],
         "questions_needed": sequential["questions_needed"],
         "scored": sequential["scored"],
         "drop_interval_points": sequential["drop_interval_points"],
+        "fixed_sample_drift_points": result["formats"]["letter"]["drift_points"],
         "fixed_sample_drift_ci95": result["formats"]["letter"]["drift_ci95_points"],
         "flip_rate": result["formats"]["letter"]["flips"]["flip_rate"],
+        "accuracy": {
+            "reference": result["formats"]["letter"]["reference"]["accuracy"],
+            "artifact": result["formats"]["letter"]["candidate"]["accuracy"],
+        },
     }
 
 
@@ -215,7 +211,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/gate"))
     parser.add_argument("--shots", type=int, default=5)
     parser.add_argument("--limit", type=int, default=2, help="questions per subject for profile/cache")
-    parser.add_argument("--gate-budget", type=float, default=1800.0, help="seconds per artifact")
+    parser.add_argument("--gate-max-questions", type=int, default=None, help="cap per artifact")
     parser.add_argument("--lmeval-subjects", default="abstract_algebra,business_ethics,global_facts")
     parser.add_argument("--lmeval-limit", type=int, default=None)
     parser.add_argument("--runs", default="profile,cache,gate,lmeval")
@@ -231,7 +227,9 @@ def main() -> None:
     if "gate" in runs:
         report["gate"] = {}
         for artifact in args.artifacts:
-            report["gate"][artifact.name] = gate_run(artifact, args.mmlu, args.shots, cache, args.gate_budget)
+            report["gate"][artifact.name] = gate_run(
+                artifact, args.mmlu, args.shots, cache, args.gate_max_questions
+            )
             print("gate", artifact.name, json.dumps(report["gate"][artifact.name]), flush=True)
     if "lmeval" in runs:
         from quantize.artifact import read_manifest
