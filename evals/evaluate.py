@@ -163,13 +163,6 @@ def describe_reference(
     return LazyReference(lambda: load_model(resolved), progress), info
 
 
-def load_reference(
-    spec: str | None, manifest: dict[str, Any], progress: Progress
-) -> tuple[nn.Module, dict[str, Any]]:
-    reference, info = describe_reference(spec, manifest, progress)
-    return reference.get(), info
-
-
 def reference_caches(
     config: EvaluateConfig, reference_info: dict[str, Any], data_sha256: str, tokenizer_hash: str
 ) -> dict[str, ReferenceCache | None]:
@@ -289,7 +282,7 @@ def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> Eval
     if config.calibration is not None and not calibration_ok:
         raise QpackError(f"calibration directory {config.calibration} does not exist; fix --calibration")
 
-    loaded = load_artifact(artifact_dir)
+    loaded = load_artifact(artifact_dir, verify=False)  # verified just above
     reference, reference_info = describe_reference(config.reference, manifest, progress)
     tokenizer = load_tokenizer(artifact_dir)
     scoring = PairScoring(
