@@ -9,11 +9,21 @@ too small to keep them (`--kv-memory`), so without tiers every turn recomputes i
 Runs, same requests each time, one server process each:
 1. `none`: no tiers (the baseline).
 2. `host`: T1 host memory (`--kv-host-memory`), and T2 on disk (`--kv-disk`).
-3. `restart`: a new server on the same T2 directory (T1 empty): the last turn of every session again; reports
-   the share of history blocks that loaded from disk.
-4. `corrupt`: like `restart`, after flipping bytes in `--corrupt` of the T2 files: outputs must not change, and
-   every damaged block read is counted.
-Then `store`: 10,000 synthetic sessions written through T1 and T2 directly (no model), RSS against the bounds.
+3. `restart`: a new server on the same T2 directory (T1 empty): the last turn of every session again. Each
+   request's `usage.prompt_tokens_details.cached_tokens` says how much of its prompt was not recomputed; its
+   history is the full blocks its prompt shares with the session's previous turn (what earlier turns wrote), so
+   the share of history blocks loaded counts min(cached, history) per request, never the new turn's own blocks.
+4. `corrupt`: `restart` again, flipping one byte in `--corrupt` of the T2 files once a fifth of the requests
+   are done: outputs must not change. Every damaged file is accounted for: read, refused, counted and deleted;
+   overwritten by a recomputed block; or never read (still refused by its checksum if it ever is).
+5. `bf16-none` / `bf16-host`: the first `--bf16-sessions` sessions on a bfloat16 pool without and with tiers
+   (outputs compared with each other: a bf16 pool's greedy text may differ from an FP32 pool's).
+Then `store`: 10,000 synthetic sessions written through T1 and T2 directly (no model) with T1 and T2 smaller
+than what is written (`--store-host-memory`, `--store-disk-size`): RSS growth against T1's size + 10%, disk
+against its size.
+
+T1 and T2 are sized to hold every session's history: the replay cycles through all sessions turn by turn, and
+under such a cyclic pattern an LRU tier smaller than the working set hits almost never.
 
 Greedy outputs of every run are compared with `none` token for token (as text).
 
@@ -37,6 +47,7 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 8  # the server's default --block-size
 
 
 def conversations(count: int, turns: int, max_chars: int, seed: int) -> list[list[dict[str, str]]]:
@@ -68,6 +79,7 @@ def turn_request(messages: list[dict[str, str]], turn: int, session: int, max_to
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "user": f"user-{session % 50}",
         "session_id": f"session-{session}",
     }
@@ -77,16 +89,24 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dic
     started = time.perf_counter()
     first = None
     text = []
+    usage: dict[str, Any] = {}
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             return {"error": f"HTTP {response.status_code}", "ttft": None, "text": ""}
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
-                delta = json.loads(line[6:])["choices"]
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                delta = chunk["choices"]
                 if delta and delta[0].get("delta", {}).get("content"):
                     first = first or time.perf_counter()
                     text.append(delta[0]["delta"]["content"])
-    return {"ttft": (first or time.perf_counter()) - started, "text": "".join(text)}
+    return {
+        "ttft": (first or time.perf_counter()) - started,
+        "text": "".join(text),
+        "prompt_tokens": usage.get("prompt_tokens", 0),
+        "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+    }
 
 
 async def replay(
@@ -96,9 +116,11 @@ async def replay(
     concurrency: int,
     think: float,
     max_tokens: int,
+    results: dict[tuple[int, int], dict[str, Any]] | None = None,
 ) -> dict[tuple[int, int], dict[str, Any]]:
-    """Each session's `turns` in order, `think` seconds apart, sessions interleaved at `concurrency`."""
-    results: dict[tuple[int, int], dict[str, Any]] = {}
+    """Each session's `turns` in order, `think` seconds apart, sessions interleaved at `concurrency`; fills and
+    returns `results` (pass one in to watch progress)."""
+    results = {} if results is None else results
     gate = asyncio.Semaphore(concurrency)
 
     async def session(index: int, messages: list[dict[str, str]]) -> None:
@@ -170,19 +192,39 @@ def mismatches(a: dict[tuple[int, int], dict[str, Any]], b: dict[tuple[int, int]
     return sum(1 for key in b if key in a and a[key]["text"] != b[key]["text"])
 
 
-def history_blocks(sessions: list[list[dict[str, str]]], turn: int, tokenizer: Any, block_size: int) -> int:
-    """Full blocks of the prompts' earlier turns (what a returning session could load instead of recompute)."""
-    total = 0
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt the server builds for these messages (chat template, generation prompt)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def history_tokens(
+    sessions: list[list[dict[str, str]]], turn: int, tokenizer: Any, block_size: int
+) -> list[int]:
+    """Per session: the tokens, in whole blocks, that turn `turn`'s prompt shares with turn `turn - 1`'s (the
+    history an earlier turn wrote down; the new turn's own blocks are not history)."""
+    shared = []
     for messages in sessions:
-        earlier = tokenizer.apply_chat_template(
-            messages[: 2 * turn], tokenize=False, add_generation_prompt=False
-        )
-        total += len(tokenizer(earlier, add_special_tokens=False)["input_ids"]) // block_size
-    return total
+        now = chat_ids(tokenizer, messages[: 2 * turn + 1])
+        before = chat_ids(tokenizer, messages[: 2 * turn - 1])
+        common = next((i for i, (a, b) in enumerate(zip(now, before, strict=False)) if a != b), len(before))
+        shared.append(common // block_size * block_size)
+    return shared
+
+
+def history_share(results: dict[tuple[int, int], dict[str, Any]], turn: int, history: list[int]) -> float:
+    """Share of the history tokens that were not recomputed (loaded from a tier or found in the pool)."""
+    loaded = sum(
+        min(results[(index, turn)].get("cached_tokens", 0), tokens)
+        for index, tokens in enumerate(history)
+        if (index, turn) in results
+    )
+    return round(loaded / max(sum(history), 1), 3)
 
 
 def store_bound(out: Path, host_bytes: int, disk_bytes: int, sessions: int = 10_000) -> dict[str, Any]:
-    """10,000 sessions of 3 SmolLM2-shaped blocks through T1 and T2: RSS growth and disk use vs the bounds."""
+    """`sessions` sessions of 3 SmolLM2-shaped FP32 blocks (random values: barely compressible, the worst case)
+    through the write-through queue into T1 and T2: RSS growth and disk use against the bounds."""
     import psutil
     import torch
 
@@ -194,25 +236,43 @@ def store_bound(out: Path, host_bytes: int, disk_bytes: int, sessions: int = 10_
     folder = out / "store-t2"
     shutil.rmtree(folder, ignore_errors=True)
     process = psutil.Process()
+    blocks = [torch.randn(layout.shape) for _ in range(4)]
     base = process.memory_info().rss
-    tiers = TieredKV(layout, HostStore(host_bytes), DiskStore(folder, disk_bytes), queue_size=64)
-    block = torch.randn(layout.shape)
+    tiers = TieredKV(layout, HostStore(host_bytes), DiskStore(folder, disk_bytes))
+    peak = 0
+    retries = 0
+    started = time.perf_counter()
     for index in range(sessions):
         for part in range(3):
             key = index.to_bytes(8, "little") + part.to_bytes(8, "little") + b"\0" * 16
-            while not tiers.offer(key, block, (f"user-{index % 100}", f"s{index}")):
-                time.sleep(0.001)
+            while not tiers.offer(
+                key, blocks[(index + part) % 4].clone(), (f"user-{index % 100}", f"s{index}")
+            ):
+                retries += 1
+                time.sleep(0.002)
+        if index % 500 == 0:
+            peak = max(peak, process.memory_info().rss - base)
     tiers.flush()
+    seconds = time.perf_counter() - started
     rss = process.memory_info().rss - base
+    peak = max(peak, rss)
     disk = sum(p.stat().st_size for p in folder.glob("??/*.kv"))
-    return {
+    result = {
         "sessions": sessions,
+        "blocks_written": tiers.stats.written,
+        "seconds": round(seconds, 1),
         "rss_growth_mib": round(rss / 2**20, 1),
+        "rss_growth_peak_mib": round(peak / 2**20, 1),
         "host_bound_mib": round(host_bytes * 1.1 / 2**20, 1),
+        "host_stored_mib": round(tiers.host.size / 2**20, 1) if tiers.host else 0,
         "disk_mib": round(disk / 2**20, 1),
         "disk_bound_mib": round(disk_bytes / 2**20, 1),
-        "dropped_writes": tiers.stats.dropped,
+        "sessions_indexed": len(tiers.sessions),
+        "queue_full_retries": retries,
     }
+    tiers.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    return result
 
 
 def main() -> None:
@@ -228,10 +288,18 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-chars", type=int, default=400)
     parser.add_argument("--kv-memory", default="64MB")
-    parser.add_argument("--kv-host-memory", default="2GB")
-    parser.add_argument("--kv-disk-size", default="4GB")
+    parser.add_argument("--kv-host-memory", default="8GB", help="T1: room for every session's history")
+    parser.add_argument("--kv-disk-size", default="16GB")
     parser.add_argument("--corrupt", type=float, default=0.05)
+    parser.add_argument(
+        "--bf16-sessions", type=int, default=50, help="sessions of the bf16 pool runs (0: skip)"
+    )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--store-sessions", type=int, default=10_000)
+    parser.add_argument(
+        "--store-host-memory", default="2GB", help="T1 of the store run (its blocks overflow it)"
+    )
+    parser.add_argument("--store-disk-size", default="4GB")
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -256,66 +324,120 @@ def main() -> None:
     }
     runs: dict[str, Any] = {}
     for name, server_args in (("none", base), ("host", tiered)):
-        server = Server(args.artifact, server_args, log)
-        started = time.perf_counter()
-        runs[name] = asyncio.run(
-            replay(server.url, sessions, turns, args.concurrency, args.think, args.max_tokens)
-        )
-        results[name] = {
-            **summarize(runs[name]),
-            "seconds": round(time.perf_counter() - started, 1),
-            "metrics": _tier_metrics(server.metrics()),
-        }
-        server.stop()
-        print(name, json.dumps(results[name]), flush=True)
+        _replay_run(name, args, sessions, turns, server_args, log, runs, results)
     results["host"]["ttft_speedup_turns_ge_2"] = round(
         results["none"]["ttft_p50_turns_ge_2_s"] / results["host"]["ttft_p50_turns_ge_2_s"], 2
     )
     results["host"]["mismatches_vs_none"] = mismatches(runs["none"], runs["host"])
-    last = [args.turns - 1]
-    _restart_runs(args, sessions, last, tiered, disk, log, runs, results)
-    results["store"] = store_bound(out, _bytes(args.kv_host_memory) // 8, _bytes(args.kv_disk_size) // 8)
+    _restart_runs(args, sessions, tiered, disk, log, runs, results)
+    if args.bf16_sessions:
+        few, bf16 = sessions[: args.bf16_sessions], ["--kv-dtype", "bfloat16"]
+        shutil.rmtree(disk, ignore_errors=True)
+        for name, server_args in (("bf16-none", [*base, *bf16]), ("bf16-host", [*tiered, *bf16])):
+            _replay_run(name, args, few, turns, server_args, log, runs, results)
+        results["bf16-host"]["mismatches_vs_bf16_none"] = mismatches(runs["bf16-none"], runs["bf16-host"])
+    shutil.rmtree(disk, ignore_errors=True)
+    results["store"] = store_bound(
+        out, _bytes(args.store_host_memory), _bytes(args.store_disk_size), args.store_sessions
+    )
+    print("store", json.dumps(results["store"]), flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
+
+
+def _replay_run(
+    name: str,
+    args: argparse.Namespace,
+    sessions: list[Any],
+    turns: list[int],
+    server_args: list[str],
+    log: Path,
+    runs: dict[str, Any],
+    results: dict[str, Any],
+) -> None:
+    server = Server(args.artifact, server_args, log)
+    started = time.perf_counter()
+    runs[name] = asyncio.run(
+        replay(server.url, sessions, turns, args.concurrency, args.think, args.max_tokens)
+    )
+    results[name] = {
+        **summarize(runs[name]),
+        "seconds": round(time.perf_counter() - started, 1),
+        "metrics": _tier_metrics(server.metrics()),
+    }
+    server.stop()
+    print(name, json.dumps(results[name]), flush=True)
 
 
 def _restart_runs(
     args: argparse.Namespace,
     sessions: list[Any],
-    last: list[int],
     tiered: list[str],
     disk: Path,
     log: Path,
     runs: dict[str, Any],
     results: dict[str, Any],
 ) -> None:
-    """A fresh server on the same disk tier, the last turn of every session; then with damaged files."""
+    """A fresh server on the same disk tier, the last turn of every session; then again, damaging files."""
     from quantize.models import load_tokenizer
 
-    tokenizer = load_tokenizer(args.artifact)
-    expected = history_blocks(sessions, last[0], tokenizer, 8)
+    last = args.turns - 1
+    history = history_tokens(sessions, last, load_tokenizer(args.artifact), BLOCK_SIZE)
     for name in ("restart", "corrupt"):
-        if name == "corrupt":
-            files = sorted(disk.glob("??/*.kv"))
-            damaged = random.Random(args.seed).sample(files, max(1, int(len(files) * args.corrupt)))
-            for path in damaged:
-                data = bytearray(path.read_bytes())
-                data[len(data) // 2] ^= 0xFF
-                path.write_bytes(bytes(data))
         server = Server(args.artifact, [*tiered, "--kv-host-memory", "0"], log)
-        runs[name] = asyncio.run(replay(server.url, sessions, last, args.concurrency, 0.0, args.max_tokens))
+        damage: dict[Path, bytes] = {}
+        runs[name] = asyncio.run(_replay_damaging(server.url, sessions, last, args, disk, damage, name))
         metrics = _tier_metrics(server.metrics())
         server.stop()
         results[name] = {
             **summarize(runs[name]),
             "metrics": metrics,
-            "history_blocks": expected,
-            "disk_block_share": round(metrics.get("hits_disk", 0) / max(expected, 1), 3),
+            "history_tokens": sum(history),
+            "history_share_not_recomputed": history_share(runs[name], last, history),
             "mismatches_vs_none": mismatches(runs["none"], runs[name]),
         }
         if name == "corrupt":
-            results[name]["damaged_files"] = len(damaged)
+            results[name]["damaged_files"] = _damage_fate(damage)
         print(name, json.dumps(results[name]), flush=True)
+
+
+async def _replay_damaging(
+    url: str,
+    sessions: list[Any],
+    turn: int,
+    args: argparse.Namespace,
+    disk: Path,
+    damage: dict[Path, bytes],
+    name: str,
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """The replay of one turn; for `corrupt`, flips a byte in `--corrupt` of the T2 files once a fifth of the
+    requests are done (recording each damaged file's bytes in `damage`)."""
+    results: dict[tuple[int, int], dict[str, Any]] = {}
+    task = asyncio.create_task(replay(url, sessions, [turn], args.concurrency, 0.0, args.max_tokens, results))
+    if name == "corrupt":
+        while not task.done() and len(results) < len(sessions) // 5:
+            await asyncio.sleep(0.05)
+        files = sorted(disk.glob("??/*.kv"))
+        for path in random.Random(args.seed).sample(files, max(1, int(len(files) * args.corrupt))):
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+            damage[path] = bytes(data)
+    return await task
+
+
+def _damage_fate(damage: dict[Path, bytes]) -> dict[str, int]:
+    """What became of each damaged file: deleted (read, refused and counted, or evicted), overwritten by a
+    recomputed block, or still there untouched (never read)."""
+    fate = {"damaged": len(damage), "deleted": 0, "overwritten": 0, "untouched": 0}
+    for path, data in damage.items():
+        if not path.exists():
+            fate["deleted"] += 1
+        elif path.read_bytes() != data:
+            fate["overwritten"] += 1
+        else:
+            fate["untouched"] += 1
+    return fate
 
 
 def _tier_metrics(values: dict[str, float]) -> dict[str, float]:
