@@ -1,8 +1,9 @@
 """Returning conversations: multi-turn ShareGPT replay against `qpack serve` with and without KV tiers.
 
 Sessions are real ShareGPT conversations with at least `--turns` user turns. Turn t of a session is sent as the
-whole conversation so far (its real earlier user and assistant messages) plus the next user message, through
-the chat endpoint, greedy, `--max-tokens` tokens, streamed so time to first token is measured. `--sessions`
+whole conversation so far plus the next user message, as a chat client does: ShareGPT's user messages and the
+server's own earlier replies (`--replies sharegpt` sends ShareGPT's assistant messages instead: text the
+server never computed, so every turn recomputes the previous answer), through the chat endpoint, greedy, `--max-tokens` tokens, streamed so time to first token is measured. `--sessions`
 sessions are interleaved at `--concurrency` with `--think` seconds between a session's turns, against a pool
 too small to keep them (`--kv-memory`), so without tiers every turn recomputes its history.
 
@@ -73,9 +74,24 @@ def conversations(count: int, turns: int, max_chars: int, seed: int) -> list[lis
     return found[:count]
 
 
-def turn_request(messages: list[dict[str, str]], turn: int, session: int, max_tokens: int) -> dict[str, Any]:
+Replies = dict[tuple[int, int], dict[str, Any]]
+
+
+def turn_messages(
+    messages: list[dict[str, str]], turn: int, session: int, replies: Replies | None
+) -> list[dict[str, str]]:
+    """The conversation up to user turn `turn`; with `replies`, the assistant turns are the server's own
+    earlier answers (what a chat client sends back), else ShareGPT's."""
+    shown = [dict(m) for m in messages[: 2 * turn + 1]]
+    if replies is not None:
+        for earlier in range(turn):
+            shown[2 * earlier + 1]["content"] = replies[(session, earlier)]["text"]
+    return shown
+
+
+def turn_request(messages: list[dict[str, str]], session: int, max_tokens: int) -> dict[str, Any]:
     return {
-        "messages": messages[: 2 * turn + 1],
+        "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -116,20 +132,23 @@ async def replay(
     concurrency: int,
     think: float,
     max_tokens: int,
-    results: dict[tuple[int, int], dict[str, Any]] | None = None,
-) -> dict[tuple[int, int], dict[str, Any]]:
+    results: Replies | None = None,
+    replies: Replies | str | None = "own",
+) -> Replies:
     """Each session's `turns` in order, `think` seconds apart, sessions interleaved at `concurrency`; fills and
-    returns `results` (pass one in to watch progress)."""
+    returns `results` (pass one in to watch progress). Earlier assistant turns are this run's own replies
+    (`"own"`), an earlier run's (a results dict), or ShareGPT's (None)."""
     results = {} if results is None else results
+    earlier = results if replies == "own" else replies
+    assert not isinstance(earlier, str)
     gate = asyncio.Semaphore(concurrency)
 
     async def session(index: int, messages: list[dict[str, str]]) -> None:
         await asyncio.sleep(index * think / max(len(sessions), 1))  # spread the first turns
         for turn in turns:
+            shown = turn_messages(messages, turn, index, earlier)
             async with gate:
-                results[(index, turn)] = await send(
-                    client, url, turn_request(messages, turn, index, max_tokens)
-                )
+                results[(index, turn)] = await send(client, url, turn_request(shown, index, max_tokens))
             await asyncio.sleep(think)
 
     async with httpx.AsyncClient(timeout=600) as client:
@@ -199,14 +218,17 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def history_tokens(
-    sessions: list[list[dict[str, str]]], turn: int, tokenizer: Any, block_size: int
+    sessions: list[list[dict[str, str]]], turn: int, tokenizer: Any, block_size: int, replies: Replies | None
 ) -> list[int]:
-    """Per session: the tokens, in whole blocks, that turn `turn`'s prompt shares with turn `turn - 1`'s (the
-    history an earlier turn wrote down; the new turn's own blocks are not history)."""
+    """Per session: the tokens, in whole blocks, that turn `turn`'s prompt shares with what turn `turn - 1`
+    computed (its prompt, and its reply when replies are the server's own): the history earlier turns wrote
+    down. The new turn's own blocks are not history."""
     shared = []
-    for messages in sessions:
-        now = chat_ids(tokenizer, messages[: 2 * turn + 1])
-        before = chat_ids(tokenizer, messages[: 2 * turn - 1])
+    for index, messages in enumerate(sessions):
+        now = chat_ids(tokenizer, turn_messages(messages, turn, index, replies))
+        before = chat_ids(tokenizer, turn_messages(messages, turn - 1, index, replies))
+        if replies is not None:
+            before += tokenizer(replies[(index, turn - 1)]["text"], add_special_tokens=False)["input_ids"]
         common = next((i for i, (a, b) in enumerate(zip(now, before, strict=False)) if a != b), len(before))
         shared.append(common // block_size * block_size)
     return shared
@@ -228,6 +250,7 @@ def store_bound(out: Path, host_bytes: int, disk_bytes: int, sessions: int = 10_
     import psutil
     import torch
 
+    from serve.engine import write_queue_bytes
     from serve.tiers.codec import BlockLayout
     from serve.tiers.stores import DiskStore, HostStore
     from serve.tiers.tiered import TieredKV
@@ -238,7 +261,12 @@ def store_bound(out: Path, host_bytes: int, disk_bytes: int, sessions: int = 10_
     process = psutil.Process()
     blocks = [torch.randn(layout.shape) for _ in range(4)]
     base = process.memory_info().rss
-    tiers = TieredKV(layout, HostStore(host_bytes), DiskStore(folder, disk_bytes))
+    tiers = TieredKV(
+        layout,
+        HostStore(host_bytes),
+        DiskStore(folder, disk_bytes),
+        queue_bytes=write_queue_bytes(host_bytes),
+    )
     peak = 0
     retries = 0
     started = time.perf_counter()
@@ -268,6 +296,7 @@ def store_bound(out: Path, host_bytes: int, disk_bytes: int, sessions: int = 10_
         "disk_mib": round(disk / 2**20, 1),
         "disk_bound_mib": round(disk_bytes / 2**20, 1),
         "sessions_indexed": len(tiers.sessions),
+        "queue_blocks": tiers.queue_capacity,
         "queue_full_retries": retries,
     }
     tiers.close()
@@ -293,6 +322,12 @@ def main() -> None:
     parser.add_argument("--corrupt", type=float, default=0.05)
     parser.add_argument(
         "--bf16-sessions", type=int, default=50, help="sessions of the bf16 pool runs (0: skip)"
+    )
+    parser.add_argument(
+        "--replies",
+        choices=("own", "sharegpt"),
+        default="own",
+        help="earlier assistant turns: the server's own replies (a chat client) or ShareGPT's",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--store-sessions", type=int, default=10_000)
@@ -358,7 +393,15 @@ def _replay_run(
     server = Server(args.artifact, server_args, log)
     started = time.perf_counter()
     runs[name] = asyncio.run(
-        replay(server.url, sessions, turns, args.concurrency, args.think, args.max_tokens)
+        replay(
+            server.url,
+            sessions,
+            turns,
+            args.concurrency,
+            args.think,
+            args.max_tokens,
+            replies="own" if args.replies == "own" else None,
+        )
     )
     results[name] = {
         **summarize(runs[name]),
@@ -382,11 +425,14 @@ def _restart_runs(
     from quantize.models import load_tokenizer
 
     last = args.turns - 1
-    history = history_tokens(sessions, last, load_tokenizer(args.artifact), BLOCK_SIZE)
+    replies = runs["none"] if args.replies == "own" else None
+    history = history_tokens(sessions, last, load_tokenizer(args.artifact), BLOCK_SIZE, replies)
     for name in ("restart", "corrupt"):
         server = Server(args.artifact, [*tiered, "--kv-host-memory", "0"], log)
         damage: dict[Path, bytes] = {}
-        runs[name] = asyncio.run(_replay_damaging(server.url, sessions, last, args, disk, damage, name))
+        runs[name] = asyncio.run(
+            _replay_damaging(server.url, sessions, last, args, disk, damage, name, replies)
+        )
         metrics = _tier_metrics(server.metrics())
         server.stop()
         results[name] = {
@@ -397,7 +443,7 @@ def _restart_runs(
             "mismatches_vs_none": mismatches(runs["none"], runs[name]),
         }
         if name == "corrupt":
-            results[name]["damaged_files"] = _damage_fate(damage)
+            results[name]["damaged_files"] = _damage_fate(damage, disk)
         print(name, json.dumps(results[name]), flush=True)
 
 
@@ -409,11 +455,14 @@ async def _replay_damaging(
     disk: Path,
     damage: dict[Path, bytes],
     name: str,
-) -> dict[tuple[int, int], dict[str, Any]]:
+    replies: Replies | None,
+) -> Replies:
     """The replay of one turn; for `corrupt`, flips a byte in `--corrupt` of the T2 files once a fifth of the
     requests are done (recording each damaged file's bytes in `damage`)."""
-    results: dict[tuple[int, int], dict[str, Any]] = {}
-    task = asyncio.create_task(replay(url, sessions, [turn], args.concurrency, 0.0, args.max_tokens, results))
+    results: Replies = {}
+    task = asyncio.create_task(
+        replay(url, sessions, [turn], args.concurrency, 0.0, args.max_tokens, results, replies)
+    )
     if name == "corrupt":
         while not task.done() and len(results) < len(sessions) // 5:
             await asyncio.sleep(0.05)
@@ -426,9 +475,12 @@ async def _replay_damaging(
     return await task
 
 
-def _damage_fate(damage: dict[Path, bytes]) -> dict[str, int]:
-    """What became of each damaged file: deleted (read, refused and counted, or evicted), overwritten by a
-    recomputed block, or still there untouched (never read)."""
+def _damage_fate(damage: dict[Path, bytes], disk: Path) -> dict[str, int]:
+    """What became of each damaged file: deleted (read, refused and counted, or evicted), overwritten (read,
+    refused and recomputed, or recomputed after an earlier block of its chain was refused), or untouched (never
+    read); and how many files in T2 now fail their checksum (must be exactly the untouched ones)."""
+    from serve.tiers.codec import intact
+
     fate = {"damaged": len(damage), "deleted": 0, "overwritten": 0, "untouched": 0}
     for path, data in damage.items():
         if not path.exists():
@@ -437,6 +489,7 @@ def _damage_fate(damage: dict[Path, bytes]) -> dict[str, int]:
             fate["overwritten"] += 1
         else:
             fate["untouched"] += 1
+    fate["failing_checksum_after"] = sum(not intact(p.read_bytes()) for p in disk.glob("??/*.kv"))
     return fate
 
 

@@ -41,6 +41,12 @@ class QueueFull(Exception):
     """The waiting queue is at --max-queue: the caller should retry later (HTTP 429)."""
 
 
+def write_queue_bytes(kv_host_memory: int) -> int:
+    """Room for the write-through queue's block copies: 5% of the host tier (so the process stays within
+    --kv-host-memory + 10%), at least 16 MiB."""
+    return max(16 * 2**20, kv_host_memory // 20)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     # 8-token blocks: a sequence's unfilled last block (the KV waste) averages 3.5 slots, under 4% of the
@@ -171,6 +177,7 @@ class Engine:
             host,
             disk,
             config.kv_codec,
+            queue_bytes=write_queue_bytes(config.kv_host_memory),
             session_ttl=config.session_ttl,
             on_event=self.metrics.tier_event,
         )

@@ -123,6 +123,15 @@ def decode(layout: BlockLayout, key: bytes, data: bytes) -> torch.Tensor:
     return _unshuffle(unpacked, element).view(layout.dtype).reshape(layout.shape)
 
 
+def intact(data: bytes) -> bool:
+    """The stored bytes are whole and match their checksum (no layout checks: a scrub of a tier's files)."""
+    if len(data) < _HEADER.size or data[:4] != MAGIC:
+        return False
+    payload_bytes, checksum = _HEADER.unpack_from(data)[10], _HEADER.unpack_from(data)[12]
+    payload = data[_HEADER.size :]
+    return len(payload) == payload_bytes and hashlib.blake2b(payload, digest_size=16).digest() == checksum
+
+
 def _shuffle(raw: torch.Tensor, width: int) -> bytes:
     """Bytes regrouped by significance: all first bytes of the elements, then all second bytes, ..."""
     return raw.reshape(-1, width).t().contiguous().numpy().tobytes()

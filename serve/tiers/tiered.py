@@ -4,7 +4,9 @@ In a chat product most prompts are the whole conversation so far plus one new tu
 (T0) keeps a conversation's blocks only until they are evicted, seconds under load; after that every turn would
 recompute its whole history. So every full block the engine registers is also offered here: the engine thread
 copies the block out of the pool and puts it on a bounded queue, never waiting (a full queue drops the copy and
-counts it), and a writer thread encodes it (`codec`) into T1 and T2. When a request's prefix misses T0, the
+counts it), and a writer thread encodes it (`codec`) into T1 and T2. The queue is bounded in bytes as well as in
+blocks (`queue_bytes`): its copies are memory the host tier's budget does not count, and a 7B model's blocks are
+megabytes each. When a request's prefix misses T0, the
 engine asks `fetch` for the next keys of its chain: consecutive hits from T1, then T2 (a T2 hit is promoted to
 T1), decoded and checked; the engine copies them into pool blocks instead of recomputing them. A block that
 fails its checks is counted, deleted from its tier and recomputed.
@@ -72,6 +74,7 @@ class TieredKV:
         disk: DiskStore | None,
         codec: str = "zstd",
         queue_size: int = 256,
+        queue_bytes: int | None = None,
         session_ttl: float | None = None,
         on_event: Callable[[str, str, float], None] | None = None,
     ) -> None:
@@ -81,6 +84,8 @@ class TieredKV:
         self.on_event = on_event or (lambda _event, _tier, _value: None)
         self.sessions: dict[tuple[str, str], Session] = {}
         self._lock = threading.Lock()
+        if queue_bytes is not None:
+            queue_size = max(2, min(queue_size, queue_bytes // layout.raw_bytes))
         self._queue: queue.Queue[tuple[bytes, torch.Tensor, tuple[str, str] | None] | None] = queue.Queue(
             queue_size
         )
@@ -89,6 +94,11 @@ class TieredKV:
         self._thread.start()
 
     # ------------------------------------------------------------------ engine thread
+
+    @property
+    def queue_capacity(self) -> int:
+        """Blocks the write-through queue holds before it drops."""
+        return self._queue.maxsize
 
     def offer(self, key: bytes, block: torch.Tensor, session: tuple[str, str] | None) -> bool:
         """Queue a copy of a registered block for T1/T2 without waiting; False (counted) when the queue is

@@ -14,9 +14,9 @@ import torch
 
 from quantize.models import load_model, load_tokenizer, resolve_model
 from serve.block_pool import chain_root, prefix_keys
-from serve.engine import Engine, EngineConfig
+from serve.engine import Engine, EngineConfig, write_queue_bytes
 from serve.sequence import SamplingParams
-from serve.tiers.codec import BlockLayout, CorruptBlock, decode, encode
+from serve.tiers.codec import BlockLayout, CorruptBlock, decode, encode, intact
 from serve.tiers.stores import DiskStore, HostStore
 from serve.tiers.tiered import TieredKV
 
@@ -53,6 +53,8 @@ def test_damaged_truncated_and_foreign_blocks_are_refused() -> None:
         with pytest.raises(CorruptBlock):
             decode(LAYOUT, key, bad)
         assert name
+    damaged = ("checksum mismatch", "truncated", "header")
+    assert intact(data) and not any(intact(cases[name]) for name in damaged)
 
 
 def test_chain_keys_differ_by_model_dtype_block_size_and_salt() -> None:
@@ -116,6 +118,15 @@ def test_a_full_write_queue_drops_and_counts_instead_of_blocking() -> None:
     assert results.count(False) >= 7 and tiers.stats.dropped == results.count(False)  # returned at once
     slow.release.set()
     tiers.close()
+
+
+def test_the_write_queue_is_bounded_in_bytes() -> None:
+    block = LAYOUT.raw_bytes
+    sized = [TieredKV(LAYOUT, HostStore(10**6), None, queue_bytes=n * block) for n in (0, 3, 10**6)]
+    assert [t.queue_capacity for t in sized] == [2, 3, 256]
+    for tiers in sized:
+        tiers.close()
+    assert write_queue_bytes(0) == 16 * 2**20 and write_queue_bytes(2 * 10**9) == 10**8
 
 
 def _engine(model_dir: Path, tmp: Path | None, model_hash: str = "v1", **options) -> Engine:
