@@ -36,11 +36,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -102,27 +104,39 @@ def turn_request(messages: list[dict[str, str]], session: int, max_tokens: int) 
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed chat request: time to first token, text, finish reason and usage; a transport failure or
+    an engine error is returned as `error`, never raised (one bad request must not end the replay)."""
     started = time.perf_counter()
     first = None
     text = []
-    usage: dict[str, Any] = {}
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            return {"error": f"HTTP {response.status_code}", "ttft": None, "text": ""}
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                usage = chunk.get("usage") or usage
-                delta = chunk["choices"]
-                if delta and delta[0].get("delta", {}).get("content"):
-                    first = first or time.perf_counter()
-                    text.append(delta[0]["delta"]["content"])
-    return {
+    usage: dict[str, Any] | None = None
+    finish = None
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                return {"error": f"HTTP {response.status_code}", "ttft": None, "text": ""}
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    delta = chunk["choices"]
+                    if delta and delta[0].get("delta", {}).get("content"):
+                        first = first or time.perf_counter()
+                        text.append(delta[0]["delta"]["content"])
+                    if delta and delta[0].get("finish_reason"):
+                        finish = delta[0]["finish_reason"]
+    except httpx.HTTPError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "ttft": None, "text": "".join(text)}
+    result: dict[str, Any] = {
         "ttft": (first or time.perf_counter()) - started,
         "text": "".join(text),
-        "prompt_tokens": usage.get("prompt_tokens", 0),
-        "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+        "finish_reason": finish,
+        "prompt_tokens": usage.get("prompt_tokens") if usage else None,
+        "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens") if usage else None,
     }
+    if finish == "error" or usage is None:
+        result["error"] = "engine error" if finish == "error" else "no usage chunk"
+    return result
 
 
 async def replay(
@@ -228,25 +242,32 @@ def history_tokens(
         now = chat_ids(tokenizer, turn_messages(messages, turn, index, replies))
         before = chat_ids(tokenizer, turn_messages(messages, turn - 1, index, replies))
         if replies is not None:
-            before += tokenizer(replies[(index, turn - 1)]["text"], add_special_tokens=False)["input_ids"]
-        common = next((i for i, (a, b) in enumerate(zip(now, before, strict=False)) if a != b), len(before))
+            reply = replies[(index, turn - 1)]
+            ids = tokenizer(reply["text"], add_special_tokens=False)["input_ids"]
+            before += ids[:-1] if reply.get("finish_reason") == "length" else ids  # the last one has no KV
+        common = next(
+            (i for i, (a, b) in enumerate(zip(now, before, strict=False)) if a != b),
+            min(len(now), len(before)),
+        )
         shared.append(common // block_size * block_size)
     return shared
 
 
 def history_share(results: dict[tuple[int, int], dict[str, Any]], turn: int, history: list[int]) -> float:
-    """Share of the history tokens that were not recomputed (loaded from a tier or found in the pool)."""
-    loaded = sum(
-        min(results[(index, turn)].get("cached_tokens", 0), tokens)
+    """Share of the history tokens that were not recomputed (loaded from a tier or found in the pool), over the
+    requests that succeeded."""
+    answered = [
+        (results[(index, turn)]["cached_tokens"], tokens)
         for index, tokens in enumerate(history)
-        if (index, turn) in results
-    )
-    return round(loaded / max(sum(history), 1), 3)
+        if (index, turn) in results and "error" not in results[(index, turn)]
+    ]
+    return round(sum(min(c, t) for c, t in answered) / max(sum(t for _, t in answered), 1), 3)
 
 
 def store_bound(out: Path, host_bytes: int, disk_bytes: int, sessions: int = 10_000) -> dict[str, Any]:
     """`sessions` sessions of 3 SmolLM2-shaped FP32 blocks (random values: barely compressible, the worst case)
-    through the write-through queue into T1 and T2: RSS growth and disk use against the bounds."""
+    through the write-through queue into T1 and T2: RSS growth (sampled every 10 ms) and disk use against the
+    bounds. Run in a fresh process (`store_bound_fresh`), so no heap freed by earlier work hides growth."""
     import psutil
     import torch
 
@@ -260,14 +281,25 @@ def store_bound(out: Path, host_bytes: int, disk_bytes: int, sessions: int = 10_
     shutil.rmtree(folder, ignore_errors=True)
     process = psutil.Process()
     blocks = [torch.randn(layout.shape) for _ in range(4)]
+    import zstandard  # noqa: F401 - loaded before the baseline
+
     base = process.memory_info().rss
+    peak = 0
+    sampling = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not sampling.wait(0.01):
+            peak = max(peak, process.memory_info().rss - base)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     tiers = TieredKV(
         layout,
         HostStore(host_bytes),
         DiskStore(folder, disk_bytes),
         queue_bytes=write_queue_bytes(host_bytes),
     )
-    peak = 0
     retries = 0
     started = time.perf_counter()
     for index in range(sessions):
@@ -278,9 +310,9 @@ def store_bound(out: Path, host_bytes: int, disk_bytes: int, sessions: int = 10_
             ):
                 retries += 1
                 time.sleep(0.002)
-        if index % 500 == 0:
-            peak = max(peak, process.memory_info().rss - base)
     tiers.flush()
+    sampling.set()
+    sampler.join()
     seconds = time.perf_counter() - started
     rss = process.memory_info().rss - base
     peak = max(peak, rss)
@@ -302,6 +334,11 @@ def store_bound(out: Path, host_bytes: int, disk_bytes: int, sessions: int = 10_
     tiers.close()
     shutil.rmtree(folder, ignore_errors=True)
     return result
+
+
+def store_bound_fresh(out: Path, host_bytes: int, disk_bytes: int, sessions: int) -> dict[str, Any]:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(store_bound, (out, host_bytes, disk_bytes, sessions))
 
 
 def main() -> None:
@@ -336,6 +373,8 @@ def main() -> None:
     )
     parser.add_argument("--store-disk-size", default="4GB")
     args = parser.parse_args()
+    if args.turns < 2:
+        parser.error("--turns must be at least 2 (returning turns are what is measured)")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "servers.log"
@@ -358,8 +397,8 @@ def main() -> None:
         "sessions": len(sessions),
     }
     runs: dict[str, Any] = {}
-    for name, server_args in (("none", base), ("host", tiered)):
-        _replay_run(name, args, sessions, turns, server_args, log, runs, results)
+    _replay_run("none", args, sessions, turns, base, log, runs, results, None)
+    _replay_run("host", args, sessions, turns, tiered, log, runs, results, "none")
     results["host"]["ttft_speedup_turns_ge_2"] = round(
         results["none"]["ttft_p50_turns_ge_2_s"] / results["host"]["ttft_p50_turns_ge_2_s"], 2
     )
@@ -368,11 +407,11 @@ def main() -> None:
     if args.bf16_sessions:
         few, bf16 = sessions[: args.bf16_sessions], ["--kv-dtype", "bfloat16"]
         shutil.rmtree(disk, ignore_errors=True)
-        for name, server_args in (("bf16-none", [*base, *bf16]), ("bf16-host", [*tiered, *bf16])):
-            _replay_run(name, args, few, turns, server_args, log, runs, results)
+        _replay_run("bf16-none", args, few, turns, [*base, *bf16], log, runs, results, None)
+        _replay_run("bf16-host", args, few, turns, [*tiered, *bf16], log, runs, results, "bf16-none")
         results["bf16-host"]["mismatches_vs_bf16_none"] = mismatches(runs["bf16-none"], runs["bf16-host"])
     shutil.rmtree(disk, ignore_errors=True)
-    results["store"] = store_bound(
+    results["store"] = store_bound_fresh(
         out, _bytes(args.store_host_memory), _bytes(args.store_disk_size), args.store_sessions
     )
     print("store", json.dumps(results["store"]), flush=True)
@@ -389,19 +428,18 @@ def _replay_run(
     log: Path,
     runs: dict[str, Any],
     results: dict[str, Any],
+    baseline: str | None,
 ) -> None:
+    """One server, every turn of `sessions`. A baseline run (`baseline` None) sends its own earlier replies;
+    the runs compared with it send the baseline's, so both send the same requests and a reply that differs
+    counts once, not again in every later turn of its session."""
     server = Server(args.artifact, server_args, log)
     started = time.perf_counter()
+    replies: Replies | str | None = None
+    if args.replies == "own":
+        replies = "own" if baseline is None else runs[baseline]
     runs[name] = asyncio.run(
-        replay(
-            server.url,
-            sessions,
-            turns,
-            args.concurrency,
-            args.think,
-            args.max_tokens,
-            replies="own" if args.replies == "own" else None,
-        )
+        replay(server.url, sessions, turns, args.concurrency, args.think, args.max_tokens, replies=replies)
     )
     results[name] = {
         **summarize(runs[name]),
@@ -466,13 +504,18 @@ async def _replay_damaging(
     if name == "corrupt":
         while not task.done() and len(results) < len(sessions) // 5:
             await asyncio.sleep(0.05)
-        files = sorted(disk.glob("??/*.kv"))
-        for path in random.Random(args.seed).sample(files, max(1, int(len(files) * args.corrupt))):
-            data = bytearray(path.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            path.write_bytes(bytes(data))
-            damage[path] = bytes(data)
+        await asyncio.to_thread(_damage, disk, args.corrupt, args.seed, damage)
     return await task
+
+
+def _damage(disk: Path, share: float, seed: int, damage: dict[Path, bytes]) -> None:
+    """Flip one byte in `share` of the T2 files (off the event loop: streams keep being read meanwhile)."""
+    files = sorted(disk.glob("??/*.kv"))
+    for path in random.Random(seed).sample(files, min(len(files), max(1, int(len(files) * share)))):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        damage[path] = bytes(data)
 
 
 def _damage_fate(damage: dict[Path, bytes], disk: Path) -> dict[str, int]:

@@ -42,8 +42,9 @@ class QueueFull(Exception):
 
 
 def write_queue_bytes(kv_host_memory: int) -> int:
-    """Room for the write-through queue's block copies: 5% of the host tier (so the process stays within
-    --kv-host-memory + 10%), at least 16 MiB."""
+    """Room for the write-through queue's block copies: 5% of the host tier, at least 16 MiB. With the writer's
+    own few blocks in flight this keeps a large T1 within --kv-host-memory + 10%; a T1 under ~320 MiB pays the
+    16 MiB floor above that."""
     return max(16 * 2**20, kv_host_memory // 20)
 
 

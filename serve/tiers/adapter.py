@@ -59,7 +59,7 @@ class TierAdapter:
         return ids
 
     def on_register(self, seq: Sequence, block_id: int, key: PrefixKey) -> None:
-        self.tiers.offer(key, self.runner.read_block(block_id), seq.session)
+        self.tiers.offer(key, self.runner.read_block(block_id).cpu(), seq.session)  # host copy on CUDA
 
     def forget(self, user: str | None, session_id: str | None) -> int:
         """Remove a session's (or user's) blocks from every tier, the pool's prefix cache included."""

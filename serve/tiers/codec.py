@@ -128,7 +128,8 @@ def intact(data: bytes) -> bool:
     """The stored bytes are whole and match their checksum (no layout checks: a scrub of a tier's files)."""
     if len(data) < _HEADER.size or data[:4] != MAGIC:
         return False
-    payload_bytes, checksum = _HEADER.unpack_from(data)[10], _HEADER.unpack_from(data)[12]
+    fields = _HEADER.unpack_from(data)
+    payload_bytes, checksum = fields[10], fields[12]
     payload = data[_HEADER.size :]
     return len(payload) == payload_bytes and hashlib.blake2b(payload, digest_size=16).digest() == checksum
 

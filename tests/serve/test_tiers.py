@@ -16,7 +16,7 @@ from quantize.models import load_model, load_tokenizer, resolve_model
 from serve.block_pool import chain_root, prefix_keys
 from serve.engine import Engine, EngineConfig, write_queue_bytes
 from serve.sequence import SamplingParams
-from serve.tiers.codec import BlockLayout, CorruptBlock, decode, encode, intact
+from serve.tiers.codec import BlockLayout, CorruptBlock, _shuffle, _unshuffle, decode, encode, intact
 from serve.tiers.stores import DiskStore, HostStore
 from serve.tiers.tiered import TieredKV
 
@@ -34,6 +34,12 @@ def test_a_block_round_trips_bit_exact(codec: str, dtype: torch.dtype) -> None:
     block = _block(1, layout)
     back = decode(layout, b"k" * 32, encode(layout, b"k" * 32, block, codec))
     assert back.dtype == dtype and torch.equal(back.view(torch.uint8), block.view(torch.uint8))
+
+
+def test_the_byte_shuffle_layout_is_fixed() -> None:
+    """Stored files depend on this byte order: all first bytes of the elements, then all second bytes, ..."""
+    assert _shuffle(torch.arange(8, dtype=torch.uint8), 4) == bytes([0, 4, 1, 5, 2, 6, 3, 7])
+    assert _unshuffle(bytes([0, 4, 1, 5, 2, 6, 3, 7]), 4).tolist() == list(range(8))
 
 
 def test_damaged_truncated_and_foreign_blocks_are_refused() -> None:
