@@ -76,7 +76,7 @@ def test_chain_keys_differ_by_model_dtype_block_size_and_salt() -> None:
 
 
 def test_stores_evict_least_recently_used_by_size(tmp_path: Path) -> None:
-    host = HostStore(capacity=250)
+    host = HostStore(capacity=250, page_size=50)  # 5 pages; a 100-byte block takes 2
     for key in (b"a", b"b", b"c"):
         host.put(key, b"x" * 100)
     assert host.get(b"a") is None and host.size == 200  # a evicted to fit c
@@ -91,6 +91,21 @@ def test_stores_evict_least_recently_used_by_size(tmp_path: Path) -> None:
     restarted = DiskStore(tmp_path / "t2", capacity=250)  # the index is rebuilt from the files
     assert len(restarted) == 2 and restarted.get(b"b" * 32) == b"z" * 100
     assert not list((tmp_path / "t2").glob("??/*.tmp"))
+
+
+def test_host_blocks_of_any_size_round_trip_through_pages_and_reuse_freed_ones() -> None:
+    host = HostStore(capacity=1000, page_size=64)  # 15 pages
+    blocks = {bytes([i]): bytes(range(i, i + 1)) * (37 * i + 1) for i in range(1, 12)}
+    for key, data in blocks.items():
+        assert host.put(key, data)
+    kept = [key for key in blocks if host.get(key) is not None]
+    assert kept and kept == list(blocks)[-len(kept) :]  # the newest survive, least recently used went first
+    for key in kept:
+        assert host.get(key) == blocks[key]
+    assert host.size <= 15 * 64 and not host.put(b"huge", b"x" * 1001)
+    host.delete(kept[-1])
+    assert host.get(kept[-1]) is None and host.put(b"again", blocks[kept[-1]])
+    assert host.get(b"again") == blocks[kept[-1]]
 
 
 def test_a_read_only_disk_disables_the_tier_with_one_warning(tmp_path: Path, caplog, monkeypatch) -> None:
