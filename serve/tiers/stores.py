@@ -64,8 +64,10 @@ class HostStore:
             self._items.move_to_end(key)
             pages, length = entry
             view, size = memoryview(self._arena), self.page_size
-            data = b"".join(view[page * size : (page + 1) * size] for page in pages)
-            return data[:length]
+            chunks = [view[page * size : (page + 1) * size] for page in pages]
+            if chunks:
+                chunks[-1] = chunks[-1][: length - (len(pages) - 1) * size]
+            return b"".join(chunks)
 
     def put(self, key: bytes, data: bytes) -> bool:
         needed = -(-len(data) // self.page_size)

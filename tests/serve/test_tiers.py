@@ -106,6 +106,7 @@ def test_host_blocks_of_any_size_round_trip_through_pages_and_reuse_freed_ones()
     host.delete(kept[-1])
     assert host.get(kept[-1]) is None and host.put(b"again", blocks[kept[-1]])
     assert host.get(b"again") == blocks[kept[-1]]
+    assert host.put(b"empty", b"") and host.get(b"empty") == b""
 
 
 def test_a_read_only_disk_disables_the_tier_with_one_warning(tmp_path: Path, caplog, monkeypatch) -> None:
