@@ -107,11 +107,7 @@ def decode(layout: BlockLayout, key: bytes, data: bytes) -> torch.Tensor:
         raise CorruptBlock("foreign block: written for another model version")
     if stored_key != key:
         raise CorruptBlock("the block is stored under another key")
-    payload = data[_HEADER.size :]
-    if len(payload) != payload_bytes:
-        raise CorruptBlock(f"truncated: payload {len(payload)} bytes of {payload_bytes}")
-    if hashlib.blake2b(payload, digest_size=16).digest() != checksum:
-        raise CorruptBlock("checksum mismatch")
+    payload = _payload(data, payload_bytes, checksum)
     if codec >= len(CODECS) or raw_bytes != layout.raw_bytes:
         raise CorruptBlock(f"bad codec {codec} or raw size {raw_bytes}")
     element = torch.empty(0, dtype=layout.dtype).element_size()
@@ -129,9 +125,21 @@ def intact(data: bytes) -> bool:
     if len(data) < _HEADER.size or data[:4] != MAGIC:
         return False
     fields = _HEADER.unpack_from(data)
-    payload_bytes, checksum = fields[10], fields[12]
+    try:
+        _payload(data, fields[10], fields[12])
+    except CorruptBlock:
+        return False
+    return True
+
+
+def _payload(data: bytes, payload_bytes: int, checksum: bytes) -> bytes:
+    """The payload after the header, or CorruptBlock when it is cut short or fails its checksum."""
     payload = data[_HEADER.size :]
-    return len(payload) == payload_bytes and hashlib.blake2b(payload, digest_size=16).digest() == checksum
+    if len(payload) != payload_bytes:
+        raise CorruptBlock(f"truncated: payload {len(payload)} bytes of {payload_bytes}")
+    if hashlib.blake2b(payload, digest_size=16).digest() != checksum:
+        raise CorruptBlock("checksum mismatch")
+    return payload
 
 
 def _shuffle(raw: torch.Tensor, width: int) -> bytes:

@@ -6,9 +6,9 @@ recompute its whole history. So every full block the engine registers is also of
 copies the block out of the pool and puts it on a bounded queue, never waiting (a full queue drops the copy and
 counts it), and a writer thread encodes it (`codec`) into T1 and T2. The queue is bounded in bytes as well as in
 blocks (`queue_bytes`): its copies are memory the host tier's budget does not count, and a 7B model's blocks are
-megabytes each. When a request's prefix misses T0, the
-engine asks `fetch` for the next keys of its chain: consecutive hits from T1, then T2 (a T2 hit is promoted to
-T1), decoded and checked; the engine copies them into pool blocks instead of recomputing them. A block that
+megabytes each. When a request's prefix misses T0, the engine asks `fetch` for the next keys of its chain:
+consecutive hits from T1, then T2 (a T2 hit is promoted to T1), decoded and checked; the engine copies them into
+pool blocks instead of recomputing them. A block that
 fails its checks is counted, deleted from its tier and recomputed.
 
 Keys are the pool's own sha256 chain keys, whose root digests the artifact's content hash, the KV dtype, the
