@@ -26,7 +26,8 @@ against its size.
 T1 and T2 are sized to hold every session's history: the replay cycles through all sessions turn by turn, and
 under such a cyclic pattern an LRU tier smaller than the working set hits almost never.
 
-Greedy outputs of every run are compared with `none` token for token (as text).
+Greedy outputs of every run are compared with `none` token for token (as text). `--batch-invariant` serves every
+run in that mode (serve/runner.py), where reused KV is the same bits as recomputed KV.
 
     python benchmarks/sessions.py out/perf/int8 --out out/sessions
 """
@@ -366,6 +367,12 @@ def main() -> None:
         default="own",
         help="earlier assistant turns: the server's own replies (a chat client) or ShareGPT's",
     )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="serve every run with --batch-invariant (outputs independent of reuse and batching)",
+    )
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="the servers' step budget")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--store-sessions", type=int, default=10_000)
     parser.add_argument(
@@ -383,6 +390,8 @@ def main() -> None:
     disk = out / "t2"
     shutil.rmtree(disk, ignore_errors=True)
     base = ["--kv-memory", args.kv_memory, "--max-num-seqs", str(args.concurrency)]
+    base += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    base += ["--batch-invariant"] if args.batch_invariant else []
     tiered = [
         *base,
         "--kv-host-memory",

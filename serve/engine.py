@@ -64,6 +64,9 @@ class EngineConfig:
     # torch.compile the decode step (minutes of warm-up, fewer per-op overheads) for the decode steps the fused
     # native step doesn't cover (more than kernels.max_rows() sequences, layers it can't run, no native kernels)
     compile: bool = False
+    # every token through the fused native step and the native LM head, so that a token's KV and logits don't
+    # depend on the batch or on whether its prefix was reused (serve/runner.py); prefill is slower
+    batch_invariant: bool = False
     # tiers below the pool (serve/tiers): host memory and a directory, each bounded in bytes (0: off)
     kv_host_memory: int = 0
     kv_disk: str | None = None
@@ -132,7 +135,15 @@ class Engine:
             config.max_model_len or position_limit, position_limit, num_blocks * config.block_size
         )
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-        self.runner = ModelRunner(model, layout, num_blocks, config.block_size, device, config.compile)
+        self.runner = ModelRunner(
+            model,
+            layout,
+            num_blocks,
+            config.block_size,
+            device,
+            config.compile,
+            batch_invariant=config.batch_invariant,
+        )
         self.namespace = hashlib.sha256(
             f"qpack-kv-v1|{config.model_hash}|{config.kv_dtype}|{config.block_size}".encode()
         ).digest()

@@ -17,6 +17,17 @@ Decode at small batch is dominated by per-op overhead and weight reads. A step o
 one `kernels.decode_layers` call; other layers (float16, bitsandbytes), prefill steps, and machines without the
 native kernels take the per-layer loop, where q/k/v and gate/up projections that share an input are fused into one
 kernel call each (when they have the same scheme) and norms use the fused `rms_norm` op.
+
+Batch-invariant mode (`batch_invariant=True`, `qpack serve --batch-invariant`): by default a token's KV and
+logits depend slightly on how it was computed: a long prefill takes dense GEMMs and SDPA, a decode or short
+prefill the native kernels, and the two sum in different orders (up to 5e-3 apart in FP32). Blocks reused from
+the prefix cache or the KV tiers then differ from the ones a fresh prefill would compute, and a near-tie in
+greedy decoding can go the other way. In this mode every token, prefill or decode, runs through the fused
+native step, `kernels.max_rows()` rows at a time, each prefill token as a row attending to its own causal
+prefix in the pool, and the LM head through the native kernel, whose per-row sums don't depend on the other
+rows. A token's KV and logits are then a function of the tokens before it alone: reused and recomputed blocks
+are the same bits, and outputs are the same with or without the tiers, whatever the batch. Prefill is slower
+(the weights are streamed once per `max_rows()` tokens instead of one GEMM); decode is unchanged.
 """
 
 from __future__ import annotations
@@ -133,6 +144,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str = "cpu",
         compile_decode: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         config = model.config  # type: ignore[attr-defined]
         self.model = model
@@ -165,6 +177,28 @@ class ModelRunner:
         if compile_decode:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=True)
         self.k_cache, self.v_cache = layout.allocate(num_blocks, block_size, self.device)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            self._check_invariant()
+
+    def _check_invariant(self) -> None:
+        """Batch-invariant mode runs every layer in the fused native step: say at once why it can't."""
+        problems = []
+        if not self._native_attention:
+            reason = kernels.unavailable_reason() or f"device {self.device.type}, KV {self.kv_dtype}"
+            problems.append(f"the native kernels can't run here ({reason})")
+        elif any(run is None for _start, _end, run in self.segments):
+            layers = [str(i) for start, end, run in self.segments if run is None for i in range(start, end)]
+            problems.append(
+                f"the fused step can't run layers {', '.join(layers)} "
+                "(it runs int8, int4, bf16 and FP32 linears with a SiLU MLP and FP32 norms)"
+            )
+        if decode_part(self.lm_head) is None or self.embed.weight.dtype != torch.float32:
+            problems.append("the embeddings and LM head must be FP32 (load with --dtype float32)")
+        if problems:
+            raise ValueError(
+                "--batch-invariant: " + "; ".join(problems) + "; serve without --batch-invariant"
+            )
 
     def _segments(self) -> list[tuple[int, int, kernels.DecodeLayers | None]]:
         """Runs of consecutive layers: (start, end, tensors) for a run the fused native step executes, (start,
@@ -326,6 +360,12 @@ class ModelRunner:
         hidden = self.embed(input_ids)  # [T, H]
         cos, sin = self.rotary(hidden[None], positions[None])
         cos, sin = cos[0], sin[0]  # [T, d]
+        if self.batch_invariant:
+            hidden = self._rows_forward(
+                hidden, cos, sin, positions, slots, num_decode, decode_slots, prefills
+            )
+            last = _rms_norm(hidden.index_select(0, sample_rows), self.norm.weight, self.final_eps)
+            return self._rows_head(last)
         fused = self._fuses(hidden.shape[0], bool(prefills)) and hidden.dtype == torch.float32
         for start, end, native_run in self.segments:
             if fused and native_run is not None:
@@ -393,6 +433,86 @@ class ModelRunner:
         hidden = hidden + plan.o(attended)
         return hidden + plan.mlp(_rms_norm(hidden, plan.post_norm.weight, plan.post_eps))
 
+    def _rows_forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        num_decode: int,
+        decode_slots: torch.Tensor,
+        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """All layers for every row of the step (batch-invariant mode), `kernels.max_rows()` rows per fused
+        native call. A row attends to keys 0..its position (the window's start with a sliding window) of its
+        sequence, which earlier calls, or earlier rows of the same call, have written to the pool.
+        hidden [T, H], cos/sin [T, d], positions/slots [T] -> hidden [T, H] after the last layer."""
+        run = self.segments[0][2]
+        assert run is not None and len(self.segments) == 1, "checked by _check_invariant"
+        lengths = positions + 1  # [T]
+        starts = (
+            (lengths - self.sliding_window).clamp(min=0)
+            if self.sliding_window is not None
+            else torch.zeros_like(lengths)
+        )
+        step = kernels.max_rows()
+        out: list[torch.Tensor] = []
+        for first in range(0, hidden.shape[0], step):
+            last = min(first + step, hidden.shape[0])
+            context = self._row_context(
+                first, last, int(lengths[first:last].max()), num_decode, decode_slots, prefills
+            )
+            out.append(
+                kernels.decode_layers(
+                    hidden[first:last],
+                    cos[first:last],
+                    sin[first:last],
+                    run,
+                    self.k_cache,
+                    self.v_cache,
+                    slots[first:last],
+                    context,
+                    starts[first:last],
+                    lengths[first:last],
+                    self.num_heads,
+                    self.num_kv_heads,
+                    self.scale,
+                )
+            )
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    @staticmethod
+    def _row_context(
+        first: int,
+        last: int,
+        width: int,
+        num_decode: int,
+        decode_slots: torch.Tensor,
+        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Context slots [last - first, width] of rows first..last-1: a decode's own, or its prefill's."""
+        context = torch.zeros(last - first, width, dtype=torch.int64)
+        if first < num_decode:
+            rows = decode_slots[first : min(last, num_decode)]
+            used = min(width, rows.shape[1])
+            context[: rows.shape[0], :used] = rows[:, :used]
+        for start, end, item_slots, _mask in prefills:
+            lo, hi = max(start, first), min(end, last)
+            if lo < hi:
+                used = min(width, item_slots.shape[0])
+                context[lo - first : hi - first, :used] = item_slots[:used]
+        return context
+
+    def _rows_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head through the native kernel, `kernels.max_rows()` rows at a time: a row's logits don't
+        depend on the other rows (batch-invariant mode)."""
+        if x.shape[0] == 0:
+            return self._head(x)
+        weight, scale, bias, zero_point = decode_part(self.lm_head)  # type: ignore[misc]
+        rows = x.split(kernels.max_rows())
+        return torch.cat([kernels.linear(r, weight, scale, bias, zero_point) for r in rows])
+
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """The FP32 LM head: up to `kernels.max_rows()` rows on CPU through the weight-streaming kernel (one
         pass over the 113 MB matrix at near bandwidth, ~2x MKL's GEMV). Beyond, [vocab, H] @ [H, rows] runs
@@ -451,7 +571,12 @@ class ModelRunner:
         device = self.device
         if device.type != "cpu":
             batch = _to_device(batch, device)
-        if self._decode_fn is not None and not batch.prefills and not self.fused_covers(batch):
+        if (
+            self._decode_fn is not None
+            and not self.batch_invariant
+            and not batch.prefills
+            and not self.fused_covers(batch)
+        ):
             try:
                 logits = self._decode_fn(
                     batch.input_ids,

@@ -135,6 +135,7 @@ class ServeOptions:
     dtype: str = "float32"
     prefix_caching: bool = True
     compile: bool = False
+    batch_invariant: bool = False
     kv_host_memory: str = "0"
     kv_disk: str | None = None
     kv_disk_size: str = "10GB"
@@ -181,6 +182,8 @@ class ServeOptions:
         ]
         if self.kv_disk:
             args += ["--kv-disk", self.kv_disk]
+        if self.batch_invariant:
+            args.append("--batch-invariant")
         if self.max_model_len:
             args += ["--max-model-len", str(self.max_model_len)]
         return args
@@ -239,6 +242,7 @@ class ServeOptions:
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.prefix_caching,
             compile=self.compile,
+            batch_invariant=self.batch_invariant,
             kv_host_memory=parse_size(self.kv_host_memory, "--kv-host-memory"),
             kv_disk=self.kv_disk,
             kv_disk_size=parse_size(self.kv_disk_size, "--kv-disk-size"),

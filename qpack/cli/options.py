@@ -191,6 +191,15 @@ Compile = Annotated[
         "it can't run, no native kernels); minutes of warm-up at start.",
     ),
 ]
+BatchInvariant = Annotated[
+    bool,
+    typer.Option(
+        "--batch-invariant",
+        help="Every token through one native path (prefill too), so outputs don't depend on the batch or on "
+        "reused KV (prefix cache, --kv-host-memory, --kv-disk); prefill is slower. CPU with native kernels, "
+        "int8/int4/bf16/FP32 linears.",
+    ),
+]
 Reference = Annotated[
     str | None,
     typer.Option("--reference", "-r", help="Reference model or artifact (default: the artifact's source)."),

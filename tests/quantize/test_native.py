@@ -59,6 +59,33 @@ def test_every_weight_type_matches_torch(rows: int, k: int) -> None:
     torch.testing.assert_close(kernels.linear(x, half), F.linear(x, half.float()), **close)
 
 
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
+def test_a_rows_result_does_not_depend_on_the_other_rows(kind: str) -> None:
+    """Batch invariance: each row of an M-row call equals that row computed alone, bit for bit, for every M up
+    to the kernels' rows (serve's --batch-invariant and the fleet's seeded regeneration rely on it)."""
+    generator = torch.Generator().manual_seed(7)
+    k, n = 584, 45  # K past every vector width and unroll
+    weight = torch.randn(n, k, generator=generator)
+    args: tuple[torch.Tensor | None, ...]
+    if kind == "int4":
+        scheme = Int4(group_size=32)
+        tensors = Int4Handler().quantize(scheme, weight[:, :576])
+        k, args = 576, (tensors["qweight"], tensors["scale"], None, tensors["zero_point"])
+    elif kind == "int8":
+        scale = weight.abs().amax(1) / 127
+        args = (
+            torch.round(weight / scale[:, None]).to(torch.int8),
+            scale,
+            torch.randn(n, generator=generator),
+        )
+    else:
+        args = (weight.to(getattr(torch, kind)), None, torch.randn(n, generator=generator))
+    x = torch.randn(kernels.max_rows(), k, generator=generator)
+    alone = torch.cat([kernels.linear(x[i : i + 1], *args) for i in range(x.shape[0])])
+    for rows in range(2, x.shape[0] + 1):
+        assert torch.equal(kernels.linear(x[:rows], *args), alone[:rows]), rows
+
+
 @pytest.mark.parametrize("rows", [1, 3, 9, 32])
 @pytest.mark.parametrize("group_size", [32, 64])
 def test_int4_weights_match_their_dequantized_form(rows: int, group_size: int) -> None:

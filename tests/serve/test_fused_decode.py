@@ -17,6 +17,7 @@ from quantize.kernels import ops as kernels
 from quantize.models import load_tokenizer
 from quantize.schemes import BF16, FP16, Int4, Int8, Scheme
 from quantize.surgery import QuantizedWeight, install
+from serve import engine as engine_module
 from serve.engine import Engine, EngineConfig, RequestOutput
 from serve.sequence import SamplingParams
 
@@ -28,9 +29,9 @@ pytestmark = pytest.mark.skipif(
 PROMPTS = [[1, 5, 9, 33, 71], [1, 200], list(range(40, 77)), [1, 300, 301, 302]]
 
 
-def _scheme(fqn: str) -> Scheme | None:
+def _scheme(fqn: str, float16_layer: bool = True) -> Scheme | None:
     layer = int(fqn.split(".")[2])
-    if layer == 2 and fqn.endswith("down_proj"):
+    if float16_layer and layer == 2 and fqn.endswith("down_proj"):
         return FP16()  # the native kernels read bf16, not float16, weights: the loop takes this layer
     if (layer == 1 and fqn.endswith(("gate_proj", "up_proj"))) or (layer == 4 and "self_attn" in fqn):
         return Int4(group_size=32)
@@ -41,7 +42,7 @@ def _scheme(fqn: str) -> Scheme | None:
     return Int8()
 
 
-def _model(arch: str, window: int | None) -> nn.Module:
+def _model(arch: str, window: int | None, float16_layer: bool = True) -> nn.Module:
     torch.manual_seed(3)
     common = dict(
         vocab_size=512,
@@ -61,7 +62,11 @@ def _model(arch: str, window: int | None) -> nn.Module:
         )
     model.eval()
     for fqn, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and ".layers." in fqn and (scheme := _scheme(fqn)) is not None:
+        if (
+            isinstance(module, nn.Linear)
+            and ".layers." in fqn
+            and (scheme := _scheme(fqn, float16_layer)) is not None
+        ):
             tensors = handler_for(scheme).quantize(scheme, module.weight.detach())
             install(model, fqn, QuantizedWeight(scheme, "rtn", tensors, module.bias))
     return model
@@ -136,3 +141,84 @@ def test_fused_decode_step_matches_the_layer_loop(
     assert len(fused_logits) == len(loop_logits)
     for got, expected in zip(fused_logits, loop_logits, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def _logits_by_request(
+    model: nn.Module,
+    tokenizer,
+    kv_dtype: torch.dtype,
+    budget: int,
+    together: bool,
+    warm: bool,
+    invariant: bool,
+) -> dict[str, list[torch.Tensor]]:
+    """Every sampled token's logits, per request, with PROMPTS scheduled as asked."""
+    config = EngineConfig(
+        block_size=4,
+        kv_memory="4MB",
+        kv_dtype=kv_dtype,
+        max_num_batched_tokens=budget,
+        max_num_seqs=32,
+        batch_invariant=invariant,
+    )
+    engine = Engine(model, tokenizer, config)
+    if warm:  # the long prompt's first 5 blocks come from the prefix cache, computed by another request
+        _generate(engine, [PROMPTS[2][:21]])
+    seen: dict[str, list[torch.Tensor]] = {}
+    real = engine_module.sample
+
+    def recording(logits: torch.Tensor, seqs: list) -> list[int]:  # type: ignore[type-arg]
+        for row, seq in zip(logits, seqs, strict=True):
+            seen.setdefault(seq.request_id, []).append(row.clone())
+        return real(logits, seqs)
+
+    engine_module.sample = recording  # type: ignore[assignment]
+    try:
+        if together:
+            _generate(engine, PROMPTS)
+        else:
+            for index, prompt in enumerate(PROMPTS):
+                _generate(engine, [prompt])
+                seen[f"alone{index}"] = seen.pop("r0")
+    finally:
+        engine_module.sample = real  # type: ignore[assignment]
+    return {key.replace("alone", "r"): rows for key, rows in seen.items()}
+
+
+@pytest.mark.parametrize(
+    ("arch", "window", "kv_dtype"), [("llama", None, torch.float32), ("qwen2", 16, torch.bfloat16)]
+)
+def test_batch_invariant_mode_computes_the_same_bits_however_a_prompt_is_scheduled(
+    tiny_llama, arch: str, window: int | None, kv_dtype: torch.dtype
+) -> None:
+    """--batch-invariant: every token's logits are the same bits whether its prompt was prefilled in one step,
+    in chunks of 3, a token at a time, among other requests or after a prefix-cache hit (so KV reused from the
+    cache or the tiers is the KV a recompute would give). The default mode differs between these paths."""
+    model = _model(arch, window, float16_layer=False)
+    tokenizer = load_tokenizer(str(tiny_llama))
+    reference = _logits_by_request(model, tokenizer, kv_dtype, 1024, False, False, True)
+    assert sorted(reference) == [f"r{i}" for i in range(len(PROMPTS))]
+    for budget, together, warm in [
+        (1024, True, False),
+        (3, True, False),
+        (1, False, False),
+        (1024, False, True),
+    ]:
+        got = _logits_by_request(model, tokenizer, kv_dtype, budget, together, warm, True)
+        for request, rows in reference.items():
+            assert len(got[request]) == len(rows) == 24
+            for index, (mine, theirs) in enumerate(zip(got[request], rows, strict=True)):
+                assert torch.equal(mine, theirs), (budget, together, warm, request, index)
+    plain = _logits_by_request(model, tokenizer, kv_dtype, 1024, False, False, False)
+    chunked = _logits_by_request(model, tokenizer, kv_dtype, 1, False, False, False)
+    assert any(
+        not torch.equal(mine, theirs)
+        for request in plain
+        for mine, theirs in zip(plain[request], chunked[request], strict=True)
+    )
+
+
+def test_batch_invariant_mode_refuses_a_model_the_fused_step_cant_run(tiny_llama) -> None:
+    model = _model("llama", None)  # layer 2 has a float16 projection
+    with pytest.raises(ValueError, match=r"--batch-invariant: the fused step can't run layers 2 "):
+        Engine(model, load_tokenizer(str(tiny_llama)), EngineConfig(kv_memory="4MB", batch_invariant=True))

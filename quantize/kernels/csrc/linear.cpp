@@ -53,26 +53,40 @@ inline void store_rows(const Lin& L, int64_t n, const float* out, const float* r
   }
 }
 
+// Rows per weight-row pass (G) and accumulator chains per row (U) of the float kernels, one pair per weight type
+// for every M: a row's sum is then added in the same order whatever rows share its batch (batch invariance,
+// serve/runner.py). float32 reads 4 bytes per weight, so one chain keeps up with memory even at M = 1; bfloat16
+// needs two.
+template <typename W>
+struct DotShape {
+  static constexpr int G = 8, U = 1;
+};
+template <>
+struct DotShape<at::BFloat16> {
+  static constexpr int G = 4, U = 2;
+};
+
 // Output columns [n0, n1) of y[m, n] (+)= (x[m, :K] . w[n, :K]) * scale[n] + bias[n], m < M; y row stride ldy.
 template <typename W>
 void lin_cols(const Lin& L, const float* x, int64_t M, int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1,
               bool accumulate) {
+  constexpr int G = DotShape<W>::G, U = DotShape<W>::U;
   const W* w = static_cast<const W*>(L.w);
-  float out[8];
+  float out[G];
   for (int64_t n = n0; n < n1; ++n) {
     const W* row = w + n * L.ldw;
-    for (int64_t m = 0; m < M; m += 8) {
-      const int64_t mb = std::min<int64_t>(8, M - m);
+    for (int64_t m = 0; m < M; m += G) {
+      const int64_t mb = std::min<int64_t>(G, M - m);
       const float* xm = x + m * K;
       switch (mb) {
-        case 1: row_dot<W, 1, 4>(xm, K, row, out); break;
-        case 2: row_dot<W, 2, 2>(xm, K, row, out); break;
-        case 3: row_dot<W, 3, 1>(xm, K, row, out); break;
-        case 4: row_dot<W, 4, 1>(xm, K, row, out); break;
-        case 5: row_dot<W, 5, 1>(xm, K, row, out); break;
-        case 6: row_dot<W, 6, 1>(xm, K, row, out); break;
-        case 7: row_dot<W, 7, 1>(xm, K, row, out); break;
-        default: row_dot<W, 8, 1>(xm, K, row, out); break;
+        case 1: row_dot<W, 1, U>(xm, K, row, out); break;
+        case 2: row_dot<W, 2, U>(xm, K, row, out); break;
+        case 3: row_dot<W, 3, U>(xm, K, row, out); break;
+        case 4: row_dot<W, 4, U>(xm, K, row, out); break;
+        case 5: row_dot<W, G < 5 ? G : 5, U>(xm, K, row, out); break;
+        case 6: row_dot<W, G < 6 ? G : 6, U>(xm, K, row, out); break;
+        case 7: row_dot<W, G < 7 ? G : 7, U>(xm, K, row, out); break;
+        default: row_dot<W, G, U>(xm, K, row, out); break;
       }
       store_rows(L, n, out, nullptr, m, mb, y, ldy, accumulate);
     }
