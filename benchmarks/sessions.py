@@ -214,11 +214,14 @@ class Server:
 def summarize(results: dict[tuple[int, int], dict[str, Any]]) -> dict[str, Any]:
     later = [r["ttft"] for (_, turn), r in results.items() if turn >= 1 and r.get("ttft") is not None]
     first = [r["ttft"] for (_, turn), r in results.items() if turn == 0 and r.get("ttft") is not None]
+    every = later + first
     return {
         "requests": len(results),
         "errors": sum(1 for r in results.values() if r.get("error")),
         "ttft_p50_turns_ge_2_s": round(statistics.median(later), 3) if later else None,
         "ttft_p50_turn_1_s": round(statistics.median(first), 3) if first else None,
+        "ttft_mean_all_turns_s": round(statistics.mean(every), 3) if every else None,
+        "ttft_p90_all_turns_s": round(statistics.quantiles(every, n=10)[-1], 3) if len(every) > 1 else None,
     }
 
 
@@ -373,6 +376,8 @@ def main() -> None:
         help="serve every run with --batch-invariant (outputs independent of reuse and batching)",
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="the servers' step budget")
+    parser.add_argument("--prefill-order", choices=["arrival", "shortest"], default="arrival")
+    parser.add_argument("--no-restart", action="store_true", help="skip the restart and corruption runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--store-sessions", type=int, default=10_000)
     parser.add_argument(
@@ -391,6 +396,7 @@ def main() -> None:
     shutil.rmtree(disk, ignore_errors=True)
     base = ["--kv-memory", args.kv_memory, "--max-num-seqs", str(args.concurrency)]
     base += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    base += ["--prefill-order", args.prefill_order]
     base += ["--batch-invariant"] if args.batch_invariant else []
     tiered = [
         *base,
@@ -412,7 +418,8 @@ def main() -> None:
         results["none"]["ttft_p50_turns_ge_2_s"] / results["host"]["ttft_p50_turns_ge_2_s"], 2
     )
     results["host"]["mismatches_vs_none"] = mismatches(runs["none"], runs["host"])
-    _restart_runs(args, sessions, tiered, disk, log, runs, results)
+    if not args.no_restart:
+        _restart_runs(args, sessions, tiered, disk, log, runs, results)
     if args.bf16_sessions:
         few, bf16 = sessions[: args.bf16_sessions], ["--kv-dtype", "bfloat16"]
         shutil.rmtree(disk, ignore_errors=True)

@@ -95,12 +95,24 @@ def test_quantize_and_inspect(tmp_path: Path, tiny_llama: Path, tiny_llama_calib
 def test_serve_reports_every_bad_option_at_once(tiny_llama: Path) -> None:
     result = runner.invoke(
         app,
-        ["--json", "serve", str(tiny_llama), "--block-size", "0", "--kv-dtype", "int3", "--port", "0"],
+        [
+            "--json",
+            "serve",
+            str(tiny_llama),
+            "--block-size",
+            "0",
+            "--kv-dtype",
+            "int3",
+            "--port",
+            "0",
+            "--prefill-order",
+            "random",
+        ],
     )
     assert result.exit_code == 2
     error = json.loads(result.stdout)["error"]
     assert "--block-size" in error and "--kv-dtype must be one of float32, bfloat16, float16" in error
-    assert "--port" in error
+    assert "--port" in error and "--prefill-order must be one of arrival, shortest (got 'random')" in error
 
 
 def test_serving_an_artifact_without_its_manifest_exits_2(tiny_qwen2_artifact: Path, copy_dir) -> None:
@@ -156,3 +168,13 @@ def test_tables_in_a_log_are_whole(tmp_path: Path) -> None:
         timeout=120,
     )
     assert max(len(line) for line in narrow.stdout.decode().splitlines()) <= 100
+
+
+def test_serve_batch_invariant_refuses_what_the_native_step_cant_run(tiny_llama: Path) -> None:
+    result = runner.invoke(
+        app, ["--json", "serve", str(tiny_llama), "--dtype", "bfloat16", "--batch-invariant", "--port", "1"]
+    )
+    assert result.exit_code == 2
+    error = json.loads(result.stdout)["error"]
+    assert "--batch-invariant: the fused step can't run layers 0, 1" in error
+    assert "the embeddings and LM head must be FP32" in error and "serve without --batch-invariant" in error
