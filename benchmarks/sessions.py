@@ -376,7 +376,6 @@ def main() -> None:
         help="serve every run with --batch-invariant (outputs independent of reuse and batching)",
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="the servers' step budget")
-    parser.add_argument("--prefill-order", choices=["arrival", "shortest"], default="arrival")
     parser.add_argument("--no-restart", action="store_true", help="skip the restart and corruption runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--store-sessions", type=int, default=10_000)
@@ -396,7 +395,6 @@ def main() -> None:
     shutil.rmtree(disk, ignore_errors=True)
     base = ["--kv-memory", args.kv_memory, "--max-num-seqs", str(args.concurrency)]
     base += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    base += ["--prefill-order", args.prefill_order]
     base += ["--batch-invariant"] if args.batch_invariant else []
     tiered = [
         *base,

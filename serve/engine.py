@@ -56,8 +56,6 @@ class EngineConfig:
     kv_memory: str | float | int = "512MB"
     kv_dtype: torch.dtype = torch.float32
     max_num_batched_tokens: int = 1024
-    # prefill chunks shortest remaining first ("shortest") or in arrival order ("arrival"); serve/scheduler.py
-    prefill_order: str = "arrival"
     max_num_seqs: int = 32
     max_queue: int = 256
     max_model_len: int | None = None
@@ -157,7 +155,6 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 max_queue=config.max_queue,
                 max_model_len=self.max_model_len,
-                shortest_prefill_first=config.prefill_order == "shortest",
             ),
             self.pool,
             self.tiers.fetch if self.tiers is not None else None,

@@ -1,21 +1,14 @@
 """Iteration-level (continuous) batching over the paged KV pool.
 
 Every step the scheduler builds one batch under a token budget:
-1. Decodes first, oldest first: a running sequence with one token left to compute gets it. Decodes are cheap
-   and always go first, so a long prompt arriving never stalls the streams already running.
+1. Running sequences first, oldest first: a decoding sequence needs one token, a sequence still in prefill
+   gets the next chunk of its prompt. Decodes are cheap and always go first, so a long prompt arriving never
+   stalls the streams already running; its prefill is spread over several steps (chunked prefill).
 2. Waiting requests are admitted in priority order (lower `priority` first, FCFS within a class) while the
-   budget and `max_num_seqs` allow, after reusing any cached prefix blocks (the pool's, then the tiers').
-3. The rest of the budget goes to prefill chunks, of running sequences still in prefill and of the requests
-   just admitted, within a priority class in arrival order, or with `shortest_prefill_first` shortest
-   remaining prefill first. A long prompt is spread over several steps (chunked prefill). Shortest-first lets
-   a short prompt, or a returning conversation whose history was reused, overtake a long cold prompt instead
-   of waiting out its chunks, at the long prompts' expense (measured in benchmarks/sessions.py: median TTFT
-   of history-carrying turns 1.54 -> 1.16 s without tiers, but a p90 of 3 s; no gain with tiers, where every
-   prompt is short). A prefill passed over `max_prefill_skips` steps in a row goes first, so none starves.
+   budget and `max_num_seqs` allow, after reusing any cached prefix blocks.
 When the pool cannot give a running sequence its next block, the *newest* running sequence is preempted:
 its blocks are freed and it goes back to the head of its class in the queue, to be recomputed later (cheaply,
-if its prefix blocks are still cached). Admission never preempts: a request admitted this step that finds no
-room goes back to the queue uncounted and simply waits.
+if its prefix blocks are still cached). Admission never preempts: a new request simply waits.
 
 The waiting queue is bounded (`max_queue`); `add` returns False when it is full, which the API turns into a
 429 with Retry-After. The scheduler never touches tensors: where a prefix misses the pool's cache, the engine's
@@ -44,8 +37,6 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_queue: int = 256
     max_model_len: int = 2048
-    shortest_prefill_first: bool = False
-    max_prefill_skips: int = 4
 
 
 @dataclass
@@ -147,75 +138,27 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
-        prefilling: list[Sequence] = []
         for seq in list(self.running):
-            if seq not in self.running:  # preempted earlier in this loop
-                continue
-            if seq.num_uncomputed > 1:
-                prefilling.append(seq)
-            elif budget > 0 and self._place(seq, seq.num_uncomputed, out, scheduled_ids, set()):
-                budget -= seq.num_uncomputed
-        admitted = self._admit(budget)
-        for seq in sorted([*prefilling, *admitted], key=self._prefill_key):
             if budget <= 0:
                 break
-            if seq not in self.running:  # preempted or sent back for room
+            if seq not in self.running:  # preempted earlier in this loop
                 continue
             num_new = min(seq.num_uncomputed, budget)
-            if self._place(seq, num_new, out, scheduled_ids, admitted):
-                budget -= num_new
-            elif seq in admitted and seq in self.running:
-                self._unadmit(seq)
-        for seq in [*prefilling, *admitted]:
-            seq.prefill_skips = (
-                0 if id(seq) in scheduled_ids or seq not in self.running else seq.prefill_skips + 1
-            )
-        return out
-
-    def _prefill_key(self, seq: Sequence) -> tuple[int, bool, int, int]:
-        """Priority class, then a prefill passed over too often, then the shortest remaining prefill (or
-        arrival order), then arrival."""
-        starved = seq.prefill_skips >= self.config.max_prefill_skips
-        remaining = seq.num_uncomputed if self.config.shortest_prefill_first else 0
-        return (seq.priority, not starved, remaining, seq.arrival_index)
-
-    def _place(
-        self,
-        seq: Sequence,
-        num_new: int,
-        out: SchedulerOutput,
-        scheduled_ids: set[int],
-        admitted: set[Sequence] | list[Sequence],
-    ) -> bool:
-        """Schedule `num_new` tokens of a running sequence, preempting the newest unscheduled running sequences
-        while the pool lacks the blocks (a request admitted this step goes back to the queue instead, and one
-        never preempts others); False when it still doesn't fit."""
-        while not self._grow(seq, seq.num_computed + num_new):
-            if seq in admitted:
-                return False
-            victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
-            if victim is None:
-                break
-            if victim in admitted:
-                self._unadmit(victim)
-            else:
+            while not self._grow(seq, seq.num_computed + num_new):
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
+                if victim is None:
+                    break
                 self.preempt(victim)
                 out.preempted.append(victim)
-            if victim is seq:
-                break
-        if seq not in self.running or self._blocks_needed(seq, seq.num_computed + num_new) > 0:
-            return False
-        out.scheduled.append(Scheduled(seq, seq.num_computed, num_new))
-        scheduled_ids.add(id(seq))
-        return True
-
-    def _admit(self, budget: int) -> list[Sequence]:
-        """Waiting requests that join the running set this step, in queue order, while their prompts left to
-        compute fit the budget, with their cached prefix blocks (the pool's, then what `fetch` loads from the
-        tiers); their prefill is placed afterwards."""
-        admitted: list[Sequence] = []
+                if victim is seq:
+                    break
+            if seq not in self.running or self._blocks_needed(seq, seq.num_computed + num_new) > 0:
+                continue
+            out.scheduled.append(Scheduled(seq, seq.num_computed, num_new))
+            scheduled_ids.add(id(seq))
+            budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            _key, seq = heapq.heappop(self.waiting)
+            _key, seq = self.waiting[0]
             tokens = seq.all_ids
             cacheable = (len(tokens) - 1) // self.config.block_size
             keys = seq.keys(self.config.block_size)[:cacheable]
@@ -227,21 +170,19 @@ class Scheduler:
             seq.block_ids = [*hits, *loaded]
             seq.num_computed = len(seq.block_ids) * self.config.block_size
             seq.num_registered = len(seq.block_ids)
+            num_new = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, seq.num_computed + num_new):
+                self._release(seq)
+                break
+            heapq.heappop(self.waiting)
             if seq.output_ids == [] and seq.num_preemptions == 0:
                 seq.cached_prompt_tokens = seq.num_computed
             seq.status = Status.RUNNING
-            seq.prefill_skips = 0
             self.running.append(seq)
-            admitted.append(seq)
-            budget -= seq.num_uncomputed
-        return admitted
-
-    def _unadmit(self, seq: Sequence) -> None:
-        """Back to the queue, blocks freed (cached ones stay reusable), not counted as a preemption."""
-        self.running.remove(seq)
-        self._release(seq)
-        seq.status = Status.WAITING
-        heapq.heappush(self.waiting, (seq.sort_key(), seq))
+            out.scheduled.append(Scheduled(seq, seq.num_computed, num_new))
+            scheduled_ids.add(id(seq))
+            budget -= num_new
+        return out
 
     def commit(self, out: SchedulerOutput) -> None:
         """After the model ran: advance progress and publish newly full blocks to the prefix cache."""

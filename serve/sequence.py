@@ -52,9 +52,6 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
-    prefill_skips: int = (
-        0  # steps in a row this sequence's pending prefill got no tokens (the scheduler's aging)
-    )
     first_token_time: float | None = None
     last_token_time: float | None = None
     cached_prompt_tokens: int = 0

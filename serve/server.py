@@ -104,7 +104,6 @@ def describe(engine: Engine) -> str:
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 ROLES = ("single", "gateway", "worker", "all")
-PREFILL_ORDERS = ("arrival", "shortest")
 
 
 def _is_size(text: str) -> bool:
@@ -126,7 +125,6 @@ class ServeOptions:
     block_size: int = 8
     kv_dtype: str = "float32"
     max_num_batched_tokens: int = 1024
-    prefill_order: str = "arrival"
     max_num_seqs: int = 32
     max_queue: int = 256
     max_model_len: int | None = None
@@ -165,8 +163,6 @@ class ServeOptions:
             str(self.max_num_batched_tokens),
             "--max-num-seqs",
             str(self.max_num_seqs),
-            "--prefill-order",
-            self.prefill_order,
         ]
         args += [
             "--max-queue",
@@ -198,10 +194,6 @@ class ServeOptions:
             (self.block_size >= 1, "--block-size must be at least 1"),
             (self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1"),
             (self.max_num_seqs >= 1, "--max-num-seqs must be at least 1"),
-            (
-                self.prefill_order in PREFILL_ORDERS,
-                f"--prefill-order must be one of {', '.join(PREFILL_ORDERS)} (got {self.prefill_order!r})",
-            ),
             (self.max_queue >= 0, "--max-queue must be >= 0"),
             (self.request_timeout > 0, "--request-timeout must be > 0"),
             (1 <= self.port <= 65535, "--port must be 1..65535"),
@@ -245,7 +237,6 @@ class ServeOptions:
             kv_memory=self.kv_memory,
             kv_dtype=KV_DTYPES[self.kv_dtype],
             max_num_batched_tokens=self.max_num_batched_tokens,
-            prefill_order=self.prefill_order,
             max_num_seqs=self.max_num_seqs,
             max_queue=self.max_queue,
             max_model_len=self.max_model_len,

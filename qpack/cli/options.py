@@ -191,14 +191,6 @@ Compile = Annotated[
         "it can't run, no native kernels); minutes of warm-up at start.",
     ),
 ]
-PrefillOrder = Annotated[
-    str,
-    typer.Option(
-        "--prefill-order",
-        help="Which prefill chunks get a step's token budget first, after decodes: arrival (FCFS) or "
-        "shortest (least prompt left to compute; a prefill passed over 4 steps in a row goes first).",
-    ),
-]
 BatchInvariant = Annotated[
     bool,
     typer.Option(

@@ -16,9 +16,9 @@ def make(num_blocks: int = 20, **kwargs) -> Scheduler:
     return Scheduler(config, BlockPool(num_blocks))
 
 
-def seq(name: str, length: int, priority: int = 0, max_tokens: int = 4, first: int = 100) -> Sequence:
+def seq(name: str, length: int, priority: int = 0, max_tokens: int = 4) -> Sequence:
     return Sequence(
-        name, list(range(first, first + length)), GREEDY.replace(max_tokens=max_tokens), priority=priority
+        name, list(range(100, 100 + length)), GREEDY.replace(max_tokens=max_tokens), priority=priority
     )
 
 
@@ -34,8 +34,8 @@ def mock_step(scheduler: Scheduler) -> SchedulerOutput:
     return out
 
 
-def test_admission_budget_and_chunked_prefill_in_arrival_order() -> None:
-    s = make()  # arrival order, the default
+def test_admission_budget_and_chunked_prefill() -> None:
+    s = make()
     long, short = seq("long", 30), seq("short", 3)
     assert s.add(long) and s.add(short)
     first = s.schedule()
@@ -55,44 +55,6 @@ def test_admission_budget_and_chunked_prefill_in_arrival_order() -> None:
         ("long", 1, True),
         ("short", 1, True),
     ]
-
-
-def test_a_short_prefill_overtakes_a_long_one_and_decodes_still_go_first() -> None:
-    s = make(shortest_prefill_first=True)
-    long, short = seq("long", 30), seq("short", 3)
-    assert s.add(long) and s.add(short)
-    first = s.schedule()  # admission stops once the admitted prompts fill the budget: `short` waits a step
-    assert [(i.seq.request_id, i.num_new) for i in first.scheduled] == [("long", 16)]
-    s.commit(first)
-    second = s.schedule()
-    assert [(i.seq.request_id, i.start, i.num_new, i.samples) for i in second.scheduled] == [
-        ("short", 0, 3, True),  # 3 left to compute against long's 14
-        ("long", 16, 13, False),
-    ]
-    s.commit(second)
-    short.output_ids.append(7)
-    s.add(seq("late", 5, first=500))  # arrives mid-prefill of `long`, with less left to compute
-    third = s.schedule()
-    assert [(i.seq.request_id, i.start, i.num_new) for i in third.scheduled] == [
-        ("long", 29, 1),  # one token left: placed with the decodes, oldest first
-        ("short", 3, 1),
-        ("late", 0, 5),
-    ]
-
-
-def test_a_long_prefill_passed_over_too_often_goes_first() -> None:
-    s = make(max_num_seqs=8, max_prefill_skips=2, shortest_prefill_first=True)
-    long = seq("long", 80)
-    s.add(long)
-    assert [i.num_new for i in mock_step(s).scheduled] == [16]
-    progress = []
-    for step in range(6):  # a stream of short prompts that alone would fill every step's budget
-        s.add(seq(f"short{step}-a", 9, max_tokens=1, first=1000 + 100 * step))
-        s.add(seq(f"short{step}-b", 9, max_tokens=1, first=1050 + 100 * step))
-        out = mock_step(s)
-        progress.append(sum(i.num_new for i in out.scheduled if i.seq is long))
-    # shortest first: the short ones take the budget; passed over twice, the long one goes first
-    assert progress == [0, 0, 16, 0, 0, 16]
 
 
 def test_max_num_seqs_and_queue_bound() -> None:
