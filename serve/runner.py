@@ -123,6 +123,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+_NO_MASK = torch.zeros(0, dtype=torch.bool)
+
+
 @dataclass
 class StepBatch:
     input_ids: torch.Tensor  # [T]
@@ -131,7 +134,8 @@ class StepBatch:
     num_decode: int  # the first num_decode tokens are single-token decodes
     decode_slots: torch.Tensor  # [D, L] context slots of each decode (padded with 0)
     decode_bounds: torch.Tensor  # [2, D] first attended key (sliding window) and context length
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (row start, row end, context slots, mask)
+    # (row start, row end, context slots, mask [1, 1, n, context]; empty in batch-invariant mode)
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]
     sample_rows: torch.Tensor  # [S] rows whose output is sampled
 
 
@@ -274,8 +278,12 @@ class ModelRunner:
         for item in prefills:
             end = start + item.num_new
             context = item.start + item.num_new
-            mask = self._window_mask(torch.arange(item.start, context), torch.arange(context))
-            prefill_meta.append((start, end, self._slots(item.seq.block_ids, 0, context), mask[None, None]))
+            mask = (
+                _NO_MASK  # batch-invariant steps bound each row's keys instead
+                if self.batch_invariant
+                else self._window_mask(torch.arange(item.start, context), torch.arange(context))[None, None]
+            )
+            prefill_meta.append((start, end, self._slots(item.seq.block_ids, 0, context), mask))
             start = end
         return StepBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
