@@ -345,7 +345,7 @@ def store_bound_fresh(out: Path, host_bytes: int, disk_bytes: int, sessions: int
         return pool.apply(store_bound, (out, host_bytes, disk_bytes, sessions))
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -386,6 +386,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.turns < 2:
         parser.error("--turns must be at least 2 (returning turns are what is measured)")
+    return args
+
+
+def main() -> None:
+    args = _arguments()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "servers.log"
