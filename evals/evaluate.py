@@ -30,7 +30,9 @@ from quantize.artifact import MANIFEST_FILE, content_sha256, load_artifact, read
 from quantize.calibdata import CalibrationData
 from quantize.errors import QpackError
 from quantize.fileio import read_json, sha256_file, write_bytes, write_json
+from quantize.kernels import ops as kernels
 from quantize.models import cache_dir, load_model, load_tokenizer, resolve_model, weights_sha256
+from quantize.modules import PREFILL_DTYPES, numerics, set_prefill_dtype
 from quantize.progress import NULL_PROGRESS, Progress
 
 REPORT_DIR = "evals"
@@ -68,6 +70,9 @@ class EvaluateConfig:
     max_questions: int | None = (
         None  # sequential: a gate still undecided after this many fails (a CI time cap)
     )
+    # the artifact's prefill GEMM precision (quantize.modules.PREFILL_DTYPES), as `qpack serve --prefill-dtype`
+    # runs it; the reference always runs float32
+    prefill_dtype: str = "float32"
 
     @property
     def is_sequential(self) -> bool:
@@ -95,6 +100,10 @@ class EvaluateConfig:
             problems.append(f"--confidence must be in [0.5, 1) (got {self.confidence})")
         if self.token_budget < 256:
             problems.append("--batch-tokens must be at least 256")
+        if self.prefill_dtype not in PREFILL_DTYPES:
+            problems.append(
+                f"--prefill-dtype must be one of {', '.join(PREFILL_DTYPES)} (got {self.prefill_dtype!r})"
+            )
         if problems:
             raise QpackError("invalid evaluate options: " + "; ".join(problems))
 
@@ -282,7 +291,9 @@ def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> Eval
     if config.calibration is not None and not calibration_ok:
         raise QpackError(f"calibration directory {config.calibration} does not exist; fix --calibration")
 
-    loaded = load_artifact(artifact_dir, verify=False)  # verified just above
+    kernels.enable()  # the kernels the artifact is served with (built once per machine), so what is evaluated
+    loaded = load_artifact(artifact_dir, verify=False)  # is what is served; verified just above
+    set_prefill_dtype(loaded.model, config.prefill_dtype)
     reference, reference_info = describe_reference(config.reference, manifest, progress)
     tokenizer = load_tokenizer(artifact_dir)
     scoring = PairScoring(
@@ -320,6 +331,7 @@ def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> Eval
     result: dict[str, Any] = {
         "artifact": {"name": loaded.name, "version": loaded.version, "path": str(artifact_dir)},
         "reference": reference_info,
+        "numerics": numerics(loaded.model),
         "mmlu": {
             "layout": data.layout,
             "source": data.source,

@@ -19,6 +19,12 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['mmlu']['questions']} questions ({result['mmlu']['layout']}, sha256 "
         f"`{result['mmlu']['sha256'][:12]}`)"
     )
+    numerics = result.get("numerics") or {}
+    if numerics:
+        lines.append(
+            f"Artifact numerics: prefill GEMMs in {numerics.get('prefill_dtype')}, native kernels "
+            f"{numerics.get('native_kernels') or 'off (torch ops)'}"
+        )
     lines.append("")
     lines.append(
         "| format | reference acc | artifact acc | drift (pts, 95% CI) | flip rate | R→W / W→R | answer KL | top-1 agree |"

@@ -22,8 +22,9 @@ Kernels, by weight type and number of activation rows M:
   int8, in native chunks below `batch_invariant_rows` rows.
 - torch's weight-only kernels are matrix-vector loops whose CPU time grows linearly with M, so from
   `dense_min_rows` rows (prefill, evaluation) the weight is dequantized for that call into a reused buffer and
-  a dense fp32 GEMM runs instead: int8 crosses over at ~48 rows, int4 at ~128 on the 2-core AVX2 reference
-  machine; with the native kernels int4 dequantizes in one native pass (M=128: 4.3 -> 0.8 ms).
+  a dense GEMM runs instead, in the module's `prefill_dtype` (float32 unless set): int8 crosses over at ~48
+  rows, int4 at ~128 on the 2-core AVX2 reference machine; with the native kernels int4 dequantizes in one
+  native pass (M=128: 4.3 -> 0.8 ms).
 - w8a8: dynamic per-token int8 activations. On CUDA `torch._int_mm` (int32 accumulation). On CPU
   `torch._int_mm` is a slow reference loop, so the int8 activations go through the int8 weight kernel as
   bf16 integers (exactly representable), which gives the same products with fp32 accumulation.
@@ -33,7 +34,6 @@ Each must match its handler's reference `dequantize` within stated tolerances (t
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, ClassVar
 
@@ -53,6 +53,8 @@ class QuantLinear(nn.Module):
     row_tensors: ClassVar[tuple[str, ...]] = ()
     # With the native kernels, below this many rows each row's output is bit-identical whatever the batch.
     batch_invariant_rows: ClassVar[int] = 48
+    # The precision of prefill-sized GEMMs (`PREFILL_DTYPES`; `set_prefill_dtype`).
+    prefill_dtype: torch.dtype = torch.float32
 
     def __init__(
         self, scheme: Scheme, in_features: int, out_features: int, bias: torch.Tensor | None
@@ -130,6 +132,8 @@ def fuse_linears(modules: list[nn.Module]) -> nn.Module | None:
         return None
     if fused is not None:
         _share_rows(fused, modules, rows)
+        if isinstance(fused, QuantLinear):
+            fused.prefill_dtype = modules[0].prefill_dtype
     return fused
 
 
@@ -184,41 +188,51 @@ def _share_rows(fused: nn.Module, modules: list[nn.Module], names: tuple[str, ..
 
 _SCRATCH = threading.local()
 
-
-def dense_dtype() -> torch.dtype:
-    """The precision of prefill-sized GEMMs of int8/int4 linears (their weights dequantized, then one GEMM).
-
-    float32 by default. bfloat16 (activations and dequantized weights, float32 accumulation in oneDNN) where the
-    CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16), the prefill being compute-bound there; the
-    held-out KL cost of that choice is measured in benchmarks/dense_precision.py. `QPACK_DENSE_DTYPE=float32`
-    or `bfloat16` overrides. Evaluation and serving share these modules, so what is evaluated is what is
-    served on the same machine."""
-    global _DENSE_DTYPE
-    if _DENSE_DTYPE is None:
-        choice = os.environ.get("QPACK_DENSE_DTYPE", "auto").strip().lower()
-        if choice not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"QPACK_DENSE_DTYPE must be auto, float32 or bfloat16 (got {choice!r})")
-        if choice == "auto":
-            capabilities = torch.cpu.get_capabilities()
-            native = capabilities.get("amx_bf16") or capabilities.get("avx512_bf16")
-            choice = "bfloat16" if native else "float32"
-        _DENSE_DTYPE = torch.bfloat16 if choice == "bfloat16" else torch.float32
-    return _DENSE_DTYPE
+# The precisions a prefill-sized GEMM of an int8/int4 linear may run in (its weight dequantized for the call,
+# then one dense GEMM). float32 is the default on every CPU, so a result never depends on which CPU computed it;
+# bfloat16 (activations and dequantized weights, float32 accumulation in oneDNN) only when asked: on CPUs with
+# AMX-BF16 or AVX512-BF16 it prefills faster at a measured KL cost (benchmarks/dense_precision.py), elsewhere it
+# runs emulated, slower, with the same numerics.
+PREFILL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def reset_dense_dtype() -> None:
-    """Forget the cached choice (tests, or after changing QPACK_DENSE_DTYPE)."""
-    global _DENSE_DTYPE
-    _DENSE_DTYPE = None
+def parse_prefill_dtype(name: str) -> torch.dtype:
+    """The dtype a prefill precision setting names; ValueError listing the choices otherwise."""
+    if name not in PREFILL_DTYPES:
+        raise ValueError(f"prefill dtype must be one of {', '.join(PREFILL_DTYPES)} (got {name!r})")
+    return PREFILL_DTYPES[name]
 
 
-_DENSE_DTYPE: torch.dtype | None = None
+def set_prefill_dtype(model: nn.Module, name: str) -> int:
+    """Run the prefill-sized GEMMs of every quantized linear of `model` in `name` (see `PREFILL_DTYPES`); modules
+    fused later inherit it. Returns how many modules were set."""
+    dtype = parse_prefill_dtype(name)
+    modules = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for module in modules:
+        module.prefill_dtype = dtype
+    return len(modules)
 
 
-def _dense(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x2 [M, K] @ weight [N, K]^T (weight float32, dequantized) -> [M, N] float32, in `dense_dtype()`."""
-    dtype = dense_dtype() if not x2.is_cuda else torch.float32
-    if dtype == torch.float32:
+def prefill_dtype_of(model: nn.Module) -> str:
+    """The prefill precision `model`'s quantized linears run in ('float32' for a model without any); ValueError
+    when they disagree."""
+    found = {m.prefill_dtype for m in model.modules() if isinstance(m, QuantLinear)} or {torch.float32}
+    if len(found) > 1:
+        raise ValueError(f"quantized linears disagree on the prefill dtype: {sorted(map(str, found))}")
+    dtype = found.pop()
+    return next(name for name, value in PREFILL_DTYPES.items() if value == dtype)
+
+
+def numerics(model: nn.Module) -> dict[str, str | None]:
+    """How `model` computes, recorded next to every result it produces (evaluation reports, the manifest, the
+    server's `/v1/models`, benchmark JSON): the prefill dtype and the native kernel build in use (None: torch's
+    ops)."""
+    return {"prefill_dtype": prefill_dtype_of(model), "native_kernels": kernels.isa()}
+
+
+def _dense(x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x2 [M, K] @ weight [N, K]^T (weight float32, dequantized) -> [M, N] float32, multiplied in `dtype`."""
+    if dtype == torch.float32 or x2.is_cuda:
         return F.linear(x2.to(torch.float32), weight)
     return F.linear(x2.to(dtype), weight.to(dtype)).to(torch.float32)
 
@@ -334,7 +348,7 @@ class Int8Linear(QuantLinear):
             y = torch.cat([kernels.linear(part, self.qweight, self.scale) for part in rows])
         elif x2.shape[0] >= self.dense_min_rows:
             weight = P.dequantize_int8(qweight, self.scale, out=_scratch(qweight.shape, qweight.device))
-            y = _dense(x2, weight)
+            y = _dense(x2, weight, self.prefill_dtype)
         else:
             y = _int8_kernel(x2, self.qweight, self.unit) * self.scale
         return self._finish(y, x).reshape(*x.shape[:-1], self.out_features)
@@ -446,12 +460,12 @@ class Int4Linear(QuantLinear):
         elif native_ok:
             weight = _scratch(torch.Size((self.qweight.shape[0], self.in_features)), self.qweight.device)
             kernels.dequantize_int4(self.qweight, self.scale, self.zero_point, weight)
-            y = _dense(x2, weight)
+            y = _dense(x2, weight, self.prefill_dtype)
         elif x2.shape[0] >= self.dense_min_rows:
             weight = P.dequantize_int4(
                 P.unpack_int4(self.qweight), self.scale, self.zero_point, self.group_size
             )
-            y = _dense(x2, weight)
+            y = _dense(x2, weight, self.prefill_dtype)
         else:
             packed, scale_and_zeros = self._packed()
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from quantize.kernels import ops as kernels
+from quantize.modules import numerics, set_prefill_dtype
 from serve.block_pool import BlockPool
 from serve.kv_cache import KVLayout, parse_memory
 from serve.metrics import Metrics
@@ -67,6 +68,9 @@ class EngineConfig:
     # every token through the fused native step and the native LM head, so that a token's KV and logits don't
     # depend on the batch or on whether its prefix was reused (serve/runner.py); prefill is slower
     batch_invariant: bool = False
+    # the precision of prefill-sized GEMMs of int8/int4 linears (quantize.modules.PREFILL_DTYPES): float32 on every
+    # CPU unless asked; bfloat16 prefills faster where the CPU has AMX-BF16/AVX512-BF16, at a measured KL cost
+    prefill_dtype: str = "float32"
     # tiers below the pool (serve/tiers): host memory and a directory, each bounded in bytes (0: off)
     kv_host_memory: int = 0
     kv_disk: str | None = None
@@ -119,6 +123,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics or Metrics()
+        set_prefill_dtype(model, config.prefill_dtype)  # before the runner fuses q/k/v and gate/up
         device = torch.device(config.device)
         layout = KVLayout.of(model.config, config.kv_dtype)  # type: ignore[attr-defined]
         per_token = layout.bytes_per_token
@@ -145,7 +150,7 @@ class Engine:
             batch_invariant=config.batch_invariant,
         )
         self.namespace = hashlib.sha256(
-            f"qpack-kv-v1|{config.model_hash}|{config.kv_dtype}|{config.block_size}".encode()
+            f"qpack-kv-v1|{self.numeric_identity}|{config.kv_dtype}|{config.block_size}".encode()
         ).digest()
         self.tiers = self._tiers(layout)
         self.scheduler = Scheduler(
@@ -169,13 +174,25 @@ class Engine:
         self.paused = threading.Event()  # set: the loop stops stepping (maintenance; tests hold work queued)
         self.metrics.kv_blocks_total.set(num_blocks)
 
+    @property
+    def numeric_identity(self) -> str:
+        """What a KV block's bits depend on besides its tokens: the model's content and the numeric path (prefill
+        dtype, batch-invariant mode). Cached and stored blocks are keyed by it, so a server never reuses blocks
+        another path computed."""
+        config = self.config
+        return f"{config.model_hash}|prefill={config.prefill_dtype}|invariant={int(config.batch_invariant)}"
+
+    def numerics(self) -> dict[str, str | bool | None]:
+        """How this engine computes (reported by `/v1/models` and benchmarks)."""
+        return {**numerics(self.model), "batch_invariant": self.config.batch_invariant}
+
     def _tiers(self, layout: KVLayout) -> TierAdapter | None:
         """T1 (host memory) and T2 (disk) when configured, keyed under this engine's namespace."""
         config = self.config
         if not config.kv_host_memory and not config.kv_disk:
             return None
         block_layout = BlockLayout(
-            hashlib.sha256(config.model_hash.encode()).digest(),
+            hashlib.sha256(self.numeric_identity.encode()).digest(),
             config.kv_dtype,
             config.block_size,
             layout.num_layers,

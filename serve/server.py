@@ -21,6 +21,7 @@ from torch import nn
 
 from quantize.errors import QpackError
 from quantize.memory import parse_size
+from quantize.modules import PREFILL_DTYPES
 from serve.engine import Engine, EngineConfig
 from serve.kv_cache import KV_DTYPES
 from serve.openai import ServerInfo, create_app
@@ -136,6 +137,7 @@ class ServeOptions:
     prefix_caching: bool = True
     compile: bool = False
     batch_invariant: bool = False
+    prefill_dtype: str = "float32"
     kv_host_memory: str = "0"
     kv_disk: str | None = None
     kv_disk_size: str = "10GB"
@@ -171,6 +173,8 @@ class ServeOptions:
             str(self.claim_idle),
             "--dtype",
             self.dtype,
+            "--prefill-dtype",
+            self.prefill_dtype,
         ]
         args += [
             "--kv-host-memory",
@@ -212,6 +216,10 @@ class ServeOptions:
             ),
             (self.session_ttl is None or self.session_ttl > 0, "--session-ttl must be > 0 seconds"),
             (
+                self.prefill_dtype in PREFILL_DTYPES,
+                f"--prefill-dtype must be one of {', '.join(PREFILL_DTYPES)} (got {self.prefill_dtype!r})",
+            ),
+            (
                 _is_size(self.kv_host_memory),
                 f"--kv-host-memory {self.kv_host_memory!r} is not a size (e.g. 2GB)",
             ),
@@ -243,6 +251,7 @@ class ServeOptions:
             enable_prefix_caching=self.prefix_caching,
             compile=self.compile,
             batch_invariant=self.batch_invariant,
+            prefill_dtype=self.prefill_dtype,
             kv_host_memory=parse_size(self.kv_host_memory, "--kv-host-memory"),
             kv_disk=self.kv_disk,
             kv_disk_size=parse_size(self.kv_disk_size, "--kv-disk-size"),
@@ -297,7 +306,14 @@ def run_server(
         run_worker(options, engine, loaded, log)
         return
     log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1; /health, /metrics)")
-    info = ServerInfo(loaded.name, loaded.version, keys, options.request_timeout, options.max_request_bytes)
+    info = ServerInfo(
+        loaded.name,
+        loaded.version,
+        keys,
+        options.request_timeout,
+        options.max_request_bytes,
+        engine.numerics(),
+    )
     serve_forever(engine, info, options.host, options.port)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,22 @@ def tiny_qwen2_artifact(tiny_qwen2_calibration: Path, tmp_path_factory: pytest.T
         )
     )
     return out
+
+
+@pytest.fixture(params=["torch", "native"])
+def kernel_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Which kernels a test's quantized modules run on, forced for its duration: torch's ops, or qpack's native
+    kernels in this machine's build (tests/quantize/test_native.py forces each build). A test that takes this
+    fixture never inherits the path from whatever an earlier test loaded."""
+    from quantize.kernels import ops
+
+    target = None
+    if request.param == "native":
+        if ops.enable() is None:
+            pytest.fail(f"native kernels unavailable: {ops.unavailable_reason()}")
+        target = ops.isa()
+    with ops.forced(target):
+        yield request.param
 
 
 @pytest.fixture(autouse=True)

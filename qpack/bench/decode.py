@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantize.errors import QpackError
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -38,6 +40,15 @@ class DecodeConfig:
     repeats: int = 3
     seed: int = 0
     compile: bool = False
+    prefill_dtype: str = "float32"  # the artifact's prefill GEMMs (quantize.modules.PREFILL_DTYPES)
+
+    def validate(self) -> None:
+        from quantize.modules import PREFILL_DTYPES
+
+        if self.prefill_dtype not in PREFILL_DTYPES:
+            raise QpackError(
+                f"--prefill-dtype must be one of {', '.join(PREFILL_DTYPES)} (got {self.prefill_dtype!r})"
+            )
 
 
 class _PeakRss:
@@ -81,7 +92,9 @@ _PROFILE_PROMPT = 64
 
 
 class _Artifact:
-    def __init__(self, path: str, max_batch: int, max_len: int, compile_decode: bool = False) -> None:
+    def __init__(
+        self, path: str, max_batch: int, max_len: int, compile_decode: bool, prefill_dtype: str
+    ) -> None:
         from serve.engine import EngineConfig
         from serve.kv_cache import KVLayout
         from serve.server import build_engine, load_for_serving
@@ -98,8 +111,10 @@ class _Artifact:
             max_num_batched_tokens=2048,
             enable_prefix_caching=False,
             compile=compile_decode,
+            prefill_dtype=prefill_dtype,
         )
         self.engine = build_engine(loaded, config)
+        self.numerics = self.engine.numerics()
         if compile_decode:
             self.engine.warmup()
         self.name += " (compiled)" if compile_decode else ""
@@ -234,7 +249,9 @@ def worker_main() -> None:
     spec = json.loads(sys.stdin.readline())
     rss = _PeakRss()
     side: Any = (
-        _Artifact(spec["target"], spec["max_batch"], spec["max_len"], bool(spec.get("compile")))
+        _Artifact(
+            spec["target"], spec["max_batch"], spec["max_len"], bool(spec["compile"]), spec["prefill_dtype"]
+        )
         if spec["kind"] == "artifact"
         else _Reference(spec["target"])
     )
@@ -246,6 +263,7 @@ def worker_main() -> None:
                 "name": side.name,
                 "decode_bytes": decode_bytes(side.model),
                 "rss_bytes": rss.peak,
+                "numerics": getattr(side, "numerics", None),
             }
         ),
         flush=True,
@@ -269,7 +287,13 @@ def worker_main() -> None:
 
 class Worker:
     def __init__(
-        self, kind: str, target: str, max_batch: int, max_len: int, compile_decode: bool = False
+        self,
+        kind: str,
+        target: str,
+        max_batch: int,
+        max_len: int,
+        compile_decode: bool = False,
+        prefill_dtype: str = "float32",
     ) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from qpack.bench.decode import worker_main; worker_main()"],
@@ -284,6 +308,7 @@ class Worker:
                 "max_batch": max_batch,
                 "max_len": max_len,
                 "compile": compile_decode,
+                "prefill_dtype": prefill_dtype,
             }
         )
 
@@ -308,11 +333,14 @@ def run_decode_bench(config: DecodeConfig, progress: Any = None) -> dict[str, An
     from qpack.bench.sysinfo import machine_info, memory_bandwidth_gbs
     from quantize.artifact import read_manifest
 
+    config.validate()
     manifest = read_manifest(config.artifact)
     reference = config.reference or manifest["source"]["model_id"]
     max_len = config.prompt_tokens + config.new_tokens
     bandwidth = memory_bandwidth_gbs()
-    artifact = Worker("artifact", str(config.artifact), max(config.batches), max_len, config.compile)
+    artifact = Worker(
+        "artifact", str(config.artifact), max(config.batches), max_len, config.compile, config.prefill_dtype
+    )
     baseline = Worker("reference", reference, max(config.batches), max_len)
     runs: dict[str, dict[int, list[dict[str, float]]]] = {"artifact": {}, "reference": {}}
     try:
@@ -335,29 +363,17 @@ def run_decode_bench(config: DecodeConfig, progress: Any = None) -> dict[str, An
     finally:
         artifact.close()
         baseline.close()
-    rows = []
-    for batch in config.batches:
-        row: dict[str, Any] = {"batch": batch}
-        for side in ("artifact", "reference"):
-            samples = runs[side][batch]
-            prefill = statistics.median(batch * config.prompt_tokens / r["prefill_s"] for r in samples)
-            decode = statistics.median(batch * (config.new_tokens - 1) / r["decode_s"] for r in samples)
-            row[side] = {
-                "prefill_tokens_per_s": prefill,
-                "decode_tokens_per_s": decode,
-                "peak_rss_mb": max(r["peak_rss_bytes"] for r in samples) / 2**20,
-            }
-        row["decode_ratio"] = row["artifact"]["decode_tokens_per_s"] / row["reference"]["decode_tokens_per_s"]
-        row["prefill_ratio"] = (
-            row["artifact"]["prefill_tokens_per_s"] / row["reference"]["prefill_tokens_per_s"]
-        )
-        rows.append(row)
+    rows = _rows(config, runs)
     bytes_per_token = artifact.info["decode_bytes"]
     ceiling = bandwidth * 1e9 / bytes_per_token
     batch1 = next((r for r in rows if r["batch"] == 1), None)
     return {
         "kind": "decode",
-        "artifact": {"path": str(config.artifact), "name": artifact.info["name"]},
+        "artifact": {
+            "path": str(config.artifact),
+            "name": artifact.info["name"],
+            "numerics": artifact.info["numerics"],
+        },
         "reference": {"id": reference, "name": baseline.info["name"]},
         "settings": {
             "batches": list(config.batches),
@@ -378,3 +394,25 @@ def run_decode_bench(config: DecodeConfig, progress: Any = None) -> dict[str, An
         "profile_batch1": profile,
         "machine": machine_info(),
     }
+
+
+def _rows(config: DecodeConfig, runs: dict[str, dict[int, list[dict[str, float]]]]) -> list[dict[str, Any]]:
+    """Per batch size: each side's median prefill and decode tokens/s and peak RSS, and their ratios."""
+    rows = []
+    for batch in config.batches:
+        row: dict[str, Any] = {"batch": batch}
+        for side in ("artifact", "reference"):
+            samples = runs[side][batch]
+            prefill = statistics.median(batch * config.prompt_tokens / r["prefill_s"] for r in samples)
+            decode = statistics.median(batch * (config.new_tokens - 1) / r["decode_s"] for r in samples)
+            row[side] = {
+                "prefill_tokens_per_s": prefill,
+                "decode_tokens_per_s": decode,
+                "peak_rss_mb": max(r["peak_rss_bytes"] for r in samples) / 2**20,
+            }
+        row["decode_ratio"] = row["artifact"]["decode_tokens_per_s"] / row["reference"]["decode_tokens_per_s"]
+        row["prefill_ratio"] = (
+            row["artifact"]["prefill_tokens_per_s"] / row["reference"]["prefill_tokens_per_s"]
+        )
+        rows.append(row)
+    return rows

@@ -45,6 +45,7 @@ class ServeBenchConfig:
     seed: int = 0
     kv_memory: str = "512MB"
     max_num_seqs: int = 64
+    prefill_dtype: str = "float32"  # of the qpack server started here (a --url server reports its own)
     extra_server_args: tuple[str, ...] = ()
 
     def validate(self) -> None:
@@ -57,6 +58,12 @@ class ServeBenchConfig:
         ):
             raise QpackError(
                 f"--url {self.url} is not a loopback address; the load generator only targets this machine"
+            )
+        from quantize.modules import PREFILL_DTYPES
+
+        if self.prefill_dtype not in PREFILL_DTYPES:
+            raise QpackError(
+                f"--prefill-dtype must be one of {', '.join(PREFILL_DTYPES)} (got {self.prefill_dtype!r})"
             )
 
 
@@ -218,6 +225,7 @@ def run_serve_bench(config: ServeBenchConfig, log: Callable[[str], None] = print
         for server in servers.values():
             server.wait_ready()
         targets = {"artifact": config.url or servers["artifact"].url}
+        results["numerics"] = _numerics(targets["artifact"])
         if "baseline" in servers:
             targets["baseline"] = servers["baseline"].url
         for label, spec in levels:
@@ -255,7 +263,8 @@ def _start_servers(config: ServeBenchConfig, reference_model: str) -> dict[str, 
         port = free_port()
         command = [sys.executable, "-m", "qpack", "serve", str(config.artifact), "--port", str(port)]
         command += ["--kv-memory", config.kv_memory, "--max-num-seqs", str(config.max_num_seqs)]
-        command += ["--max-queue", "100000", *config.extra_server_args]
+        command += ["--max-queue", "100000", "--prefill-dtype", config.prefill_dtype]
+        command += list(config.extra_server_args)
         servers["artifact"] = ServerProcess(command, port, "qpack")
     if config.baseline == "naive":
         port = free_port()
@@ -310,6 +319,17 @@ def _run_level(
             entry["artifact"]["output_tokens_per_s"] / entry["baseline"]["output_tokens_per_s"]
         )
     return entry
+
+
+def _numerics(url: str) -> dict[str, Any] | None:
+    """How the measured server computes, as its `/v1/models` says (None where it does not say: another
+    OpenAI-compatible server under --url)."""
+    try:
+        data = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    numerics = data[0].get("numerics") if data and isinstance(data[0], dict) else None
+    return numerics if isinstance(numerics, dict) else None
 
 
 def _final_metrics(url: str) -> dict[str, Any]:

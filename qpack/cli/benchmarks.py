@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from qpack.cli import options as opt
 from qpack.cli.app import bench_app, ints, output, run
 from qpack.cli.render import decode_tables
 
@@ -29,6 +30,7 @@ def bench_decode(
     out_dir: Path | None = typer.Option(
         None, "--out", help="Results folder (default bench-results/decode-TIME)."
     ),
+    prefill_dtype: opt.PrefillDtype = "float32",
 ) -> None:
     from qpack import bench
 
@@ -37,7 +39,14 @@ def bench_decode(
     def call() -> tuple[dict, Path]:
         sizes = ints(batches, "--batches")
         config = bench.DecodeConfig(
-            artifact, reference, sizes, prompt_tokens, new_tokens, repeats, compile=compile_decode
+            artifact,
+            reference,
+            sizes,
+            prompt_tokens,
+            new_tokens,
+            repeats,
+            compile=compile_decode,
+            prefill_dtype=prefill_dtype,
         )
         return bench.bench_decode(config, out_dir)
 
@@ -77,6 +86,7 @@ def bench_serve(
     out_dir: Path | None = typer.Option(
         None, "--out", help="Results folder (default bench-results/serve-TIME)."
     ),
+    prefill_dtype: opt.PrefillDtype = "float32",
 ) -> None:
     from rich.markdown import Markdown
 
@@ -100,6 +110,7 @@ def bench_serve(
             abort_fraction=abort_fraction,
             seed=seed,
             kv_memory=kv_memory,
+            prefill_dtype=prefill_dtype,
             extra_server_args=tuple(server_arg),
         )
         log = (lambda _m: None) if out.quiet else (lambda m: out.stderr.print(m, highlight=False))

@@ -44,6 +44,7 @@ def evaluate(
         "--max-questions",
         help="Sequential: fail a gate still undecided after N questions (a time cap).",
     ),
+    prefill_dtype: opt.PrefillDtype = "float32",
 ) -> None:
     from evals.evaluate import EvaluateConfig, Gate
     from evals.evaluate import evaluate as run_evaluate
@@ -67,6 +68,7 @@ def evaluate(
         sequential=sequential,
         confidence=confidence,
         max_questions=max_questions,
+        prefill_dtype=prefill_dtype,
     )
     evaluated = run(out, lambda: run_evaluate(config, out.progress()))
     result = evaluated.result

@@ -191,6 +191,14 @@ Compile = Annotated[
         "it can't run, no native kernels); minutes of warm-up at start.",
     ),
 ]
+PrefillDtype = Annotated[
+    str,
+    typer.Option(
+        "--prefill-dtype",
+        help="Precision of prefill-sized GEMMs of int8/int4 layers: float32 (every CPU, the default) or "
+        "bfloat16 (faster where the CPU has AMX-BF16/AVX512-BF16, at a KL cost; emulated elsewhere).",
+    ),
+]
 BatchInvariant = Annotated[
     bool,
     typer.Option(

@@ -43,12 +43,17 @@ def cpu_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+def avx512_supported() -> bool:
+    """Whether this CPU has the AVX-512 F/BW/VL and VNNI instructions the AVX-512 build uses."""
+    capabilities = torch.cpu.get_capabilities()
+    return all(capabilities.get(feature) for feature in AVX512_FEATURES)
+
+
 def target_isa() -> str:
     """'avx512' where the CPU has AVX-512 F/BW/VL and VNNI, else 'avx2' (or as QPACK_NATIVE_ISA=avx2 says)."""
     if os.environ.get("QPACK_NATIVE_ISA", "").lower() == "avx2":
         return "avx2"
-    capabilities = torch.cpu.get_capabilities()
-    return "avx512" if all(capabilities.get(feature) for feature in AVX512_FEATURES) else "avx2"
+    return "avx512" if avx512_supported() else "avx2"
 
 
 def compile_flags(isa: str) -> list[str]:

@@ -31,6 +31,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -45,9 +47,10 @@ _log = logging.getLogger("qpack.kernels")
 _MAX_ROWS = {"avx2": 16, "avx512": 32}
 
 _lock = threading.Lock()
-_module: ModuleType | None = None
-_failed: str | None = None
+_module: ModuleType | None = None  # the kernels in use
 _isa: str | None = None
+_failed: str | None = None  # why `enable()` found none
+_loaded: dict[str, ModuleType] = {}  # every build loaded in this process, by ISA
 
 
 class KernelsUnavailable(RuntimeError):
@@ -55,8 +58,8 @@ class KernelsUnavailable(RuntimeError):
 
 
 def enable() -> ModuleType | None:
-    """Build (first time on this machine) and load the extension; None, with the reason logged and kept in
-    `unavailable_reason()`, where it can't be."""
+    """Build (first time on this machine) and load the extension for this CPU (`build.target_isa()`); None,
+    with the reason logged and kept in `unavailable_reason()`, where it can't be."""
     global _module, _failed, _isa
     if _module is not None or _failed is not None:
         return _module
@@ -70,8 +73,7 @@ def enable() -> ModuleType | None:
         else:
             target = build.target_isa()
             try:
-                _module = build.load(target)
-                _isa = target
+                _module, _isa = _load(target), target
             except Exception as error:  # no compiler, no ninja, a build error: keep torch's kernels
                 _failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if _failed is not None:
@@ -79,13 +81,45 @@ def enable() -> ModuleType | None:
         return _module
 
 
+def _load(target: str) -> ModuleType:
+    if target not in _loaded:
+        _loaded[target] = build.load(target)
+    return _loaded[target]
+
+
+def runnable_isas() -> tuple[str, ...]:
+    """The builds this CPU can execute ('avx2', and 'avx512' where it has AVX-512 F/BW/VL and VNNI)."""
+    if not build.cpu_supported():
+        return ()
+    return ("avx2", "avx512") if build.avx512_supported() else ("avx2",)
+
+
+@contextmanager
+def forced(target: str | None) -> Iterator[None]:
+    """For the duration, every op and quantized module uses the kernels built for `target` ('avx2' or
+    'avx512', built on first use), or none at all (None: torch's paths), whatever this CPU would pick; then
+    the previous state returns. Tests name the path they check with it, so each path is tested on every machine
+    that can execute it. ValueError for a build this CPU can't execute."""
+    global _module, _isa
+    if target is not None and target not in runnable_isas():
+        raise ValueError(f"this CPU cannot run the {target} kernels (it runs: {', '.join(runnable_isas())})")
+    with _lock:
+        previous = (_module, _isa)
+        _module, _isa = (None, None) if target is None else (_load(target), target)
+    try:
+        yield
+    finally:
+        with _lock:
+            _module, _isa = previous
+
+
 def ready() -> bool:
-    """Whether `enable()` has loaded the kernels (never builds anything itself)."""
+    """Whether kernels are loaded and in use (never builds anything itself)."""
     return _module is not None
 
 
 def isa() -> str | None:
-    """The instruction set the loaded kernels were built for ('avx2' or 'avx512'); None when not loaded."""
+    """The instruction set the kernels in use were built for ('avx2' or 'avx512'); None when none are."""
     return _isa if _module is not None else None
 
 

@@ -365,7 +365,8 @@ async def _respond(gateway: Gateway, request: Request, chat: bool) -> Response:
 
 
 def _models(workers: list[P.WorkerInfo]) -> dict[str, Any]:
-    """`/v1/models`: each model live workers announce, with its version, content hash and worker count."""
+    """`/v1/models`: each model live workers announce, with its version, content hash, worker count and the
+    prefill precisions its workers run."""
     by_model: dict[str, list[P.WorkerInfo]] = {}
     for worker in workers:
         by_model.setdefault(worker.model, []).append(worker)
@@ -377,6 +378,7 @@ def _models(workers: list[P.WorkerInfo]) -> dict[str, Any]:
             "version": ws[0].version,
             "content_hash": ws[0].content_hash,
             "workers": len(ws),
+            "prefill_dtypes": sorted({w.prefill_dtype for w in ws}),
         }
         for m, ws in sorted(by_model.items())
     ]

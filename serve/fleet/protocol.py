@@ -165,6 +165,7 @@ class WorkerInfo:
     capacity: int
     load: int
     last_seen: float
+    prefill_dtype: str = "float32"  # how its engine prefills (workers of one model may differ)
 
     @property
     def room(self) -> int:
@@ -185,6 +186,7 @@ class WorkerInfo:
                 int(data["capacity"]),
                 int(data["load"]),
                 float(data["last_seen"]),
+                data.get("prefill_dtype", "float32"),
             )
         except (KeyError, ValueError, UnicodeDecodeError):
             return None

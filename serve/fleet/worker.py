@@ -134,6 +134,7 @@ class FleetWorker:
             self.capacity,
             len(self.inflight),
             time.time(),
+            self.engine.config.prefill_dtype,
         )
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(P.worker_key(self.config.worker_id), mapping=info.fields())

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -65,6 +65,7 @@ class ServerInfo:
     api_keys: tuple[str, ...] = ()
     request_timeout: float | None = 600.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    numerics: dict[str, Any] = field(default_factory=dict)  # how the model computes (`Engine.numerics`)
 
     def __repr__(self) -> str:  # never print a key
         return f"ServerInfo(name={self.name!r}, version={self.version!r}, api_keys=<{len(self.api_keys)}>)"
@@ -334,7 +335,11 @@ def create_app(engine: Engine, info: ServerInfo) -> FastAPI:
             "owned_by": "qpack",
             "version": info.version,
         }
-        return {"object": "list", "data": [{**model, "max_model_len": engine.max_model_len}]}
+        numerics = info.numerics or engine.numerics()
+        return {
+            "object": "list",
+            "data": [{**model, "max_model_len": engine.max_model_len, "numerics": numerics}],
+        }
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str, user: str | None = None) -> Response:

@@ -53,6 +53,25 @@ def test_evaluate_writes_results_and_keeps_hashes_valid(artifact: Path, mmlu_dir
         assert name in manifest["files"] and (artifact / name).is_file()
     report = (artifact / "evals" / "report.md").read_text()
     assert "| letter |" in report and "Held-out calibration queries" in report
+    assert mmlu["numerics"]["prefill_dtype"] == "float32" and "prefill GEMMs in float32" in report
+
+
+def test_the_prefill_dtype_asked_for_is_the_one_evaluated_and_recorded(
+    artifact: Path, mmlu_dir: Path
+) -> None:
+    config = EvaluateConfig(
+        artifact=artifact, mmlu=mmlu_dir, subjects="anatomy", limit=2, shots=0, write=False
+    )
+    runs = {
+        dtype: evaluate(dataclasses.replace(config, prefill_dtype=dtype)) for dtype in ("float32", "bfloat16")
+    }
+    assert {d: r.result["numerics"]["prefill_dtype"] for d, r in runs.items()} == {
+        "float32": "float32",
+        "bfloat16": "bfloat16",
+    }
+    assert runs["float32"].result["heldout"]["kl"] != runs["bfloat16"].result["heldout"]["kl"]
+    with pytest.raises(QpackError, match="--prefill-dtype must be one of float32, bfloat16"):
+        evaluate(dataclasses.replace(config, prefill_dtype="float16"))
 
 
 def test_gate_fails_with_a_reason_after_writing(artifact: Path, mmlu_dir: Path) -> None:

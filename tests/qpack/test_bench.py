@@ -138,8 +138,12 @@ def test_decode_results_schema(tmp_path, tiny_llama, tiny_llama_calibration) -> 
     from qpack.bench.report import decode_markdown, decode_plots, results_dir, write_results
 
     art = _artifact(tmp_path / "art", tiny_llama_calibration, "int8")
-    result = run_decode_bench(DecodeConfig(art, batches=(1, 2), prompt_tokens=8, new_tokens=4, repeats=1))
+    config = DecodeConfig(
+        art, batches=(1, 2), prompt_tokens=8, new_tokens=4, repeats=1, prefill_dtype="bfloat16"
+    )
+    result = run_decode_bench(config)
     assert [r["batch"] for r in result["rows"]] == [1, 2]
+    assert result["artifact"]["numerics"]["prefill_dtype"] == "bfloat16"
     for row in result["rows"]:
         for side in ("artifact", "reference"):
             assert (

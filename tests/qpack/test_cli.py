@@ -80,6 +80,7 @@ def test_quantize_and_inspect(tmp_path: Path, tiny_llama: Path, tiny_llama_calib
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["manifest"]["name"] == "tiny" and data["manifest"]["quality"]["kl"] < 0.01
+    assert data["manifest"]["quality"]["numerics"]["prefill_dtype"] == "float32"
     table = runner.invoke(app, ["inspect", str(art)])
     assert table.exit_code == 0 and "sha256 verified" in table.stdout and "tiny v1" in table.stdout
     raw = runner.invoke(app, ["--json", "inspect", str(art)])
@@ -105,12 +106,14 @@ def test_serve_reports_every_bad_option_at_once(tiny_llama: Path) -> None:
             "int3",
             "--port",
             "0",
+            "--prefill-dtype",
+            "float16",
         ],
     )
     assert result.exit_code == 2
     error = json.loads(result.stdout)["error"]
     assert "--block-size" in error and "--kv-dtype must be one of float32, bfloat16, float16" in error
-    assert "--port" in error
+    assert "--port" in error and "--prefill-dtype must be one of float32, bfloat16 (got 'float16')" in error
 
 
 def test_serving_an_artifact_without_its_manifest_exits_2(tiny_qwen2_artifact: Path, copy_dir) -> None:

@@ -41,6 +41,8 @@ def test_models_health_metrics(server) -> None:
     url, _engine = server
     models = httpx.get(f"{url}/v1/models").json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["version"] == "3"
+    numerics = models["data"][0]["numerics"]
+    assert numerics["prefill_dtype"] == "float32" and numerics["batch_invariant"] is False
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     httpx.post(f"{url}/v1/completions", json={"prompt": "hello there", "max_tokens": 3, "temperature": 0})
     text = httpx.get(f"{url}/metrics").text
@@ -325,6 +327,29 @@ def test_a_non_streaming_client_that_disconnects_frees_its_blocks_at_once(tiny_l
             time.sleep(0.02)
         assert engine.pool.num_used == 0 and not engine.streams
         assert 'finish_reason="abort"' in engine.metrics.render().decode()
+
+
+def test_the_prefill_dtype_is_set_on_the_model_and_keys_its_kv(tiny_qwen2_artifact: Path) -> None:
+    """`--prefill-dtype bfloat16` reaches every quantized linear (fused ones included), and KV computed on one
+    numeric path is never reused on another: the prefix-cache namespace and the stored blocks' key differ."""
+    from quantize.modules import QuantLinear
+    from serve.server import build_engine, load_for_serving
+
+    engines = {
+        dtype: build_engine(
+            load_for_serving(str(tiny_qwen2_artifact)),
+            EngineConfig(block_size=4, kv_memory="8MB", prefill_dtype=dtype),
+        )
+        for dtype in ("float32", "bfloat16")
+    }
+    for dtype, engine in engines.items():
+        fused = [c for plan in engine.runner.plans for c in plan.qkv.calls + plan.gate_up.calls]
+        quantized = [m for m in [*engine.model.modules(), *fused] if isinstance(m, QuantLinear)]
+        assert quantized and {str(m.prefill_dtype) for m in quantized} == {f"torch.{dtype}"}
+        assert engine.numerics()["prefill_dtype"] == dtype
+    assert engines["float32"].namespace != engines["bfloat16"].namespace
+    with pytest.raises(Exception, match="prefill dtype must be one of float32, bfloat16"):
+        build_engine(load_for_serving(str(tiny_qwen2_artifact)), EngineConfig(prefill_dtype="fp8"))
 
 
 def test_cache_salt_keeps_tenants_prefixes_apart(server) -> None:
