@@ -54,7 +54,7 @@ def synthetic_model(folder: Path, layers: int, shard_bytes: int = 2 * 10**9) -> 
     import torch
     from safetensors.torch import save_file
 
-    from quantize.models import resolve_model
+    from quantize.model.sources import resolve_model
 
     if (folder / "model.safetensors.index.json").is_file():
         return folder
@@ -327,7 +327,7 @@ def main() -> None:
 
 
 def _bytes(text: str) -> int:
-    from quantize.memory import parse_size
+    from quantize.common.sizes import parse_size
 
     return parse_size(text, "--kv-memory")
 

@@ -35,19 +35,19 @@ def main() -> None:
 
     import torch
 
-    from quantize.artifact import load_artifact, read_manifest
-    from quantize.calibdata import CalibrationData
-    from quantize.kernels import ops as kernels
-    from quantize.layerwise import LayerwiseModel
-    from quantize.models import load_model, resolve_model
-    from quantize.modules import PREFILL_DTYPES, numerics, set_prefill_dtype
+    from quantize.io.artifact import load_artifact, read_manifest
+    from quantize.io.calibration import CalibrationData
+    from quantize.model.sources import load_model, resolve_model
     from quantize.quality import compare_hidden, eval_packs, reference_hidden
+    from quantize.runtime.kernels import ops as kernels
+    from quantize.runtime.modules import PREFILL_DTYPES, numerics, set_prefill_dtype
+    from quantize.sequential.runner import BlockRunner
 
     kernels.enable()
     packs = eval_packs(CalibrationData.load(args.calibration), args.tokens, 0)
     reference = load_model(resolve_model(read_manifest(args.artifacts[0])["source"]["model_id"]))
     hidden = reference_hidden(reference, packs)
-    head = LayerwiseModel(reference).lm_head
+    head = BlockRunner(reference).lm_head
     capabilities = torch.cpu.get_capabilities()
     report: dict[str, object] = {
         "tokens": sum(p.num_tokens for p in packs),
@@ -65,7 +65,7 @@ def main() -> None:
                 started = time.perf_counter()
                 candidate = reference_hidden(model, packs)
                 seconds[dtype].append(time.perf_counter() - started)
-                quality = compare_hidden(packs, hidden, candidate, head, LayerwiseModel(model).lm_head)
+                quality = compare_hidden(packs, hidden, candidate, head, BlockRunner(model).lm_head)
                 rows[dtype] = {
                     "kl": quality["kl"],
                     "top1": quality["top1_agreement"],

@@ -47,9 +47,9 @@ def timed_score(
 def main() -> None:
     from evals.drift import drift_report
     from evals.mmlu import load_mmlu
-    from quantize.artifact import load_artifact
-    from quantize.memory import release_freed_memory
-    from quantize.models import load_model, load_tokenizer, resolve_model
+    from quantize.common.memory import release_freed_memory
+    from quantize.io.artifact import load_artifact
+    from quantize.model.sources import load_model, load_tokenizer, resolve_model
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -88,7 +88,7 @@ class Process:
 
 def requests_for(artifact: Path, count: int, max_tokens: int) -> list[dict[str, Any]]:
     from qpack.bench.serving import sharegpt_requests
-    from quantize.models import load_tokenizer
+    from quantize.model.sources import load_tokenizer
 
     tokenizer = load_tokenizer(artifact)
     picked = sharegpt_requests(tokenizer, count, max_prompt=384, max_output=max_tokens, seed=0)

@@ -35,8 +35,8 @@ def profile(artifacts: list[Path], mmlu: Path, limit: int, shots: int) -> dict[s
 
     from evals import scoring
     from evals.mmlu import load_mmlu
-    from quantize.artifact import load_artifact, read_manifest
-    from quantize.models import load_model, load_tokenizer, resolve_model
+    from quantize.io.artifact import load_artifact, read_manifest
+    from quantize.model.sources import load_model, load_tokenizer, resolve_model
 
     data = load_mmlu(mmlu, limit=limit)
     tokenizer = load_tokenizer(artifacts[0])
@@ -152,7 +152,7 @@ def lmeval_crosscheck(
     from evals.lmeval import write_mmlu_tasks
     from evals.mmlu import load_mmlu
     from evals.scoring import score
-    from quantize.models import load_model, load_tokenizer, resolve_model
+    from quantize.model.sources import load_model, load_tokenizer, resolve_model
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     source = resolve_model(model_id)
@@ -232,7 +232,7 @@ def main() -> None:
             )
             print("gate", artifact.name, json.dumps(report["gate"][artifact.name]), flush=True)
     if "lmeval" in runs:
-        from quantize.artifact import read_manifest
+        from quantize.io.artifact import read_manifest
 
         model_id = read_manifest(args.artifacts[0])["source"]["model_id"]
         report["lmeval"] = lmeval_crosscheck(

@@ -20,7 +20,7 @@ from pathlib import Path
 CHILD = r"""
 import json, resource, sys, time
 from pathlib import Path
-from quantize.memory import release_freed_memory
+from quantize.common.memory import release_freed_memory
 from quantize.pipeline import QuantizeConfig, quantize_model
 release_freed_memory()
 spec = json.loads(sys.argv[1])

@@ -45,8 +45,8 @@ def peer_decode(kind: str, batch: int, prompt_tokens: int, new_tokens: int) -> f
     """Decode tokens/s of a peer quantizer through HF generate (torchao int8 weight-only, bitsandbytes int8)."""
     code = f"""
 import json, time, torch
-from quantize.models import resolve_model, load_model
-from quantize.memory import release_freed_memory
+from quantize.model.sources import resolve_model, load_model
+from quantize.common.memory import release_freed_memory
 release_freed_memory()
 model = load_model(resolve_model("smollm2-135m"))
 if "{kind}" == "torchao-int8wo":
@@ -54,7 +54,7 @@ if "{kind}" == "torchao-int8wo":
     quantize_(model, Int8WeightOnlyConfig())
 else:
     import bitsandbytes as bnb
-    from quantize.surgery import set_module
+    from quantize.model.surgery import set_module
     for name, module in list(model.named_modules()):
         if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
             layer = bnb.nn.Linear8bitLt(module.in_features, module.out_features, bias=False, has_fp16_weights=False, threshold=6.0)

@@ -35,11 +35,12 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def compare(model_spec: str, calibration: Path) -> dict[str, Any]:
-    from quantize.calibdata import CalibrationData
-    from quantize.models import load_model, resolve_model
-    from quantize.pipeline import QuantizeConfig, _candidates
-    from quantize.sensitivity import SensitivityConfig, measure_sensitivity
-    from quantize.streamed import StreamedModel
+    from quantize.config import QuantizeConfig
+    from quantize.io.calibration import CalibrationData
+    from quantize.model.sources import load_model, resolve_model
+    from quantize.planning.build import _candidates
+    from quantize.sensitivity.measure import SensitivityConfig, measure_sensitivity
+    from quantize.sequential.streamed import StreamedModel
 
     source = resolve_model(model_spec)
     model = load_model(source)
@@ -86,8 +87,9 @@ def _shape(model: Any, name: str) -> tuple[int, int]:
 
 
 def plans(calibration: Path, out: Path) -> dict[str, Any]:
-    from quantize.pipeline import QuantizeConfig, quantize_model
-    from quantize.sensitivity import SensitivityConfig
+    from quantize.config import QuantizeConfig
+    from quantize.pipeline import quantize_model
+    from quantize.sensitivity.measure import SensitivityConfig
 
     results = {}
     for method in ("kl", "fisher"):

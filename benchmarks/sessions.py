@@ -479,7 +479,7 @@ def _restart_runs(
     results: dict[str, Any],
 ) -> None:
     """A fresh server on the same disk tier, the last turn of every session; then again, damaging files."""
-    from quantize.models import load_tokenizer
+    from quantize.model.sources import load_tokenizer
 
     last = args.turns - 1
     replies = runs["none"] if args.replies == "own" else None
@@ -569,7 +569,7 @@ def _tier_metrics(values: dict[str, float]) -> dict[str, float]:
 
 
 def _bytes(text: str) -> int:
-    from quantize.memory import parse_size
+    from quantize.common.sizes import parse_size
 
     return parse_size(text, "size")
 

@@ -1,11 +1,11 @@
 """Calibration on real user queries: read, clean, scrub, sample, and record activation statistics.
 
-Produces the calibration directory described in `quantize.calibdata`.
+Produces the calibration directory described in `quantize.io.calibration`.
 """
 
 from __future__ import annotations
 
-from quantize.exports import lazy_exports
+from quantize.common.lazy import lazy_exports
 
 _EXPORTS = {
     "CalibrationConfig": "calibrate.pipeline",

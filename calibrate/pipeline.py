@@ -23,8 +23,11 @@ from calibrate.render import content_token_ids, has_chat_template, tokenize_samp
 from calibrate.sample import stratified_split
 from calibrate.sources import FORMATS, SourceReport, default_queries_path, read_source
 from calibrate.stats import collect_stats
-from quantize import __version__
-from quantize.calibdata import (
+from quantize.common.errors import QpackError
+from quantize.common.fileio import atomic_output_dir, check_output_dir, sha256_file, write_json
+from quantize.common.progress import NULL_PROGRESS, Progress
+from quantize.common.version import __version__
+from quantize.io.calibration import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -34,17 +37,14 @@ from quantize.calibdata import (
     pack_sequences,
     stats_to_tensors,
 )
-from quantize.errors import QpackError
-from quantize.fileio import atomic_output_dir, check_output_dir, sha256_file, write_json
-from quantize.models import (
+from quantize.model.sources import (
     ModelSource,
     load_tokenizer,
     resolve_model,
     tokenizer_sha256,
     weights_sha256,
 )
-from quantize.progress import NULL_PROGRESS, Progress
-from quantize.streamed import StreamedModel, check_memory
+from quantize.sequential.streamed import StreamedModel, check_memory
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quantize.errors import QpackError
-from quantize.fileio import sha256_file, sha256_files
+from quantize.common.errors import QpackError
+from quantize.common.fileio import sha256_file, sha256_files
 
 FORMATS: tuple[str, ...] = ("jsonl", "json", "csv", "tsv", "txt", "parquet", "datasets")
 TEXT_FIELDS: tuple[str, ...] = ("prompt", "query", "text", "input", "question", "instruction", "content")

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantize.calibdata import ChannelStats
-from quantize.layerwise import LayerwiseModel, make_packs
-from quantize.progress import NULL_PROGRESS, Progress
-from quantize.streamed import StreamedModel
+from quantize.common.progress import NULL_PROGRESS, Progress
+from quantize.io.calibration import ChannelStats
+from quantize.sequential.packing import make_packs
+from quantize.sequential.runner import BlockRunner
+from quantize.sequential.streamed import StreamedModel
 
 Reduced = tuple[torch.Tensor, torch.Tensor, int]  # per-channel abs-max, sum of squares (float64), tokens
 
@@ -75,7 +76,7 @@ def collect_stats(
 ) -> dict[str, ChannelStats]:
     """Per-channel abs-max and mean square of every linear's input over `sequences` (packed `token_budget`
     tokens to a row), one decoder block at a time."""
-    lw = LayerwiseModel(model)
+    lw = BlockRunner(model)
     accumulators = {
         name: _Accumulator(int(module.in_features))
         for name, module in lw.model.named_modules()

@@ -25,15 +25,15 @@ from evals.paired import PairScoring, score_fixed, score_sequential
 from evals.refcache import HeldoutCache, ReferenceCache, ReferenceKey, head_sha256, tokenizer_sha256
 from evals.report import drift_png, kl_histogram_png, markdown
 from evals.scoring import FORMATS
-from quantize.artifact import FORMAT as ARTIFACT_FORMAT
-from quantize.artifact import MANIFEST_FILE, content_sha256, load_artifact, read_manifest, verify_artifact
-from quantize.calibdata import CalibrationData
-from quantize.errors import QpackError
-from quantize.fileio import read_json, sha256_file, write_bytes, write_json
-from quantize.kernels import ops as kernels
-from quantize.models import cache_dir, load_model, load_tokenizer, resolve_model, weights_sha256
-from quantize.modules import PREFILL_DTYPES, numerics, set_prefill_dtype
-from quantize.progress import NULL_PROGRESS, Progress
+from quantize.common.errors import QpackError
+from quantize.common.fileio import read_json, sha256_file, write_bytes, write_json
+from quantize.common.progress import NULL_PROGRESS, Progress
+from quantize.io.artifact import FORMAT as ARTIFACT_FORMAT
+from quantize.io.artifact import MANIFEST_FILE, content_sha256, load_artifact, read_manifest, verify_artifact
+from quantize.io.calibration import CalibrationData
+from quantize.model.sources import cache_dir, load_model, load_tokenizer, resolve_model, weights_sha256
+from quantize.runtime.kernels import ops as kernels
+from quantize.runtime.modules import PREFILL_DTYPES, numerics, set_prefill_dtype
 
 REPORT_DIR = "evals"
 
@@ -70,7 +70,7 @@ class EvaluateConfig:
     max_questions: int | None = (
         None  # sequential: a gate still undecided after this many fails (a CI time cap)
     )
-    # the artifact's prefill GEMM precision (quantize.modules.PREFILL_DTYPES), as `qpack serve --prefill-dtype`
+    # the artifact's prefill GEMM precision (quantize.runtime.modules.PREFILL_DTYPES), as `qpack serve --prefill-dtype`
     # runs it; the reference always runs float32
     prefill_dtype: str = "float32"
 
@@ -200,19 +200,19 @@ def heldout_quality(
     """Next-token KL and perplexities on held-out calibration queries. The reference's final hidden states come
     from the cache when present, and its head is the candidate's when they are the same weights (the FP32 head
     is kept as is by quantization), so a cached run never loads the reference."""
-    from quantize.layerwise import LayerwiseModel
     from quantize.quality import compare_hidden, eval_packs, reference_hidden
+    from quantize.sequential.runner import BlockRunner
 
     data = CalibrationData.load(calibration)
     packs = eval_packs(data, tokens, seed)
-    candidate_head = LayerwiseModel(candidate).lm_head
+    candidate_head = BlockRunner(candidate).lm_head
     with progress.task(f"Held-out queries: perplexity and KL ({sum(p.num_tokens for p in packs)} tokens)"):
         stored = cache.load(data.manifest_sha256, tokens, seed) if cache is not None else None
         if stored is not None and stored.head_sha256 == head_sha256(candidate_head):
             hidden, head, source = stored.hidden, candidate_head, "cache"
         else:
             model = reference.get()
-            hidden, head, source = reference_hidden(model, packs), LayerwiseModel(model).lm_head, "computed"
+            hidden, head, source = reference_hidden(model, packs), BlockRunner(model).lm_head, "computed"
             if cache is not None:
                 cache.store(data.manifest_sha256, tokens, seed, hidden, head_sha256(head))
         quality = compare_hidden(packs, hidden, reference_hidden(candidate, packs), head, candidate_head)

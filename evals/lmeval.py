@@ -27,8 +27,8 @@ from lm_eval.api.registry import register_model
 
 from evals.mmlu import LETTERS, MMLUData
 from evals.scoring import Request, Scorer
-from quantize.errors import QpackError
-from quantize.fileio import write_bytes
+from quantize.common.errors import QpackError
+from quantize.common.fileio import write_bytes
 
 
 def _flag(value: Any) -> bool:
@@ -129,8 +129,8 @@ class QpackLM(TemplateLM):
 
 
 def _load(target: str) -> tuple[torch.nn.Module, Any]:
-    from quantize.artifact import load_artifact
-    from quantize.models import load_model, load_tokenizer, resolve_model
+    from quantize.io.artifact import load_artifact
+    from quantize.model.sources import load_model, load_tokenizer, resolve_model
 
     path = Path(target).expanduser()
     if (path / "manifest.json").is_file():

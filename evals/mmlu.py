@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantize.errors import QpackError
+from quantize.common.errors import QpackError
 
 SUBJECTS: tuple[str, ...] = (
     "abstract_algebra", "anatomy", "astronomy", "business_ethics", "clinical_knowledge", "college_biology",

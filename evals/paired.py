@@ -22,7 +22,7 @@ from evals.mmlu import Item
 from evals.refcache import ReferenceCache
 from evals.scoring import score
 from evals.sequential import GateSequence
-from quantize.progress import NULL_PROGRESS, Progress
+from quantize.common.progress import NULL_PROGRESS, Progress
 
 if TYPE_CHECKING:
     from evals.evaluate import EvaluateConfig, LazyReference

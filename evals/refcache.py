@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from quantize.fileio import write_bytes, write_json
+from quantize.common.fileio import write_bytes, write_json
 
 LOWEST = -1e300  # JSON has no -inf: a log-prob of -inf is stored as this
 SCORING_VERSION = 2  # 2: whole-string tokenization (lm-eval's); 1 tokenized prefix and question apart
@@ -44,7 +44,7 @@ class ReferenceKey:
 
 def tokenizer_sha256(folder: Path) -> str:
     """SHA-256 over the tokenizer files present in FOLDER (name and content of each)."""
-    from quantize.models import TOKENIZER_FILES
+    from quantize.model.sources import TOKENIZER_FILES
 
     digest = hashlib.sha256()
     for name in TOKENIZER_FILES:
@@ -96,7 +96,7 @@ class HeldoutCache:
         return self.root / f"{digest.hexdigest()}.safetensors"
 
     def load(self, calibration_sha256: str, tokens: int, seed: int) -> StoredHidden | None:
-        from quantize.tensorfile import read_safetensors
+        from quantize.io.tensorfile import read_safetensors
 
         path = self.path(calibration_sha256, tokens, seed)
         if not path.is_file():

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from evals.mmlu import LETTERS, Item
-from quantize.errors import QpackError
-from quantize.progress import NULL_PROGRESS, Progress
+from quantize.common.errors import QpackError
+from quantize.common.progress import NULL_PROGRESS, Progress
 
 FORMATS = ("letter", "cloze")
 

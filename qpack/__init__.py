@@ -9,6 +9,6 @@ evaluate (`qpack.build`); `qpack bench` measures decode and serving against base
 
 from __future__ import annotations
 
-from quantize import __version__
+from quantize.common.version import __version__
 
 __all__ = ["__version__"]

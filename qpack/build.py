@@ -16,9 +16,10 @@ from typing import Any
 
 from calibrate import CalibrationConfig, run_calibration
 from evals.evaluate import EvaluateConfig, EvaluateResult, Gate, evaluate
-from quantize.errors import QpackError
-from quantize.pipeline import QuantizeConfig, QuantizeResult, quantize_model
-from quantize.progress import NULL_PROGRESS, Progress
+from quantize.common.errors import QpackError
+from quantize.common.progress import NULL_PROGRESS, Progress
+from quantize.config import QuantizeConfig, QuantizeResult
+from quantize.pipeline import quantize_model
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from evals.evaluate import EvaluateConfig, evaluate
-from quantize.artifact import read_manifest
-from quantize.errors import QpackError
-from quantize.fileio import write_bytes, write_json
-from quantize.progress import NULL_PROGRESS, Progress
+from quantize.common.errors import QpackError
+from quantize.common.fileio import write_bytes, write_json
+from quantize.common.progress import NULL_PROGRESS, Progress
+from quantize.io.artifact import read_manifest
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, SpinnerColumn, TaskProgressColumn, TextColu
 from rich.progress import Progress as RichProgressBar
 from rich.table import Table
 
-from quantize.progress import NULL_PROGRESS, Progress, Task
+from quantize.common.progress import NULL_PROGRESS, Progress, Task
 
 
 class _RichTask:
@@ -33,7 +33,7 @@ class _RichTask:
 
 
 class RichProgress:
-    """`quantize.progress.Progress` drawn with rich on stderr."""
+    """`quantize.common.progress.Progress` drawn with rich on stderr."""
 
     def __init__(self, console: Console) -> None:
         self._console = console

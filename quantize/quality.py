@@ -13,8 +13,9 @@ import math
 import torch
 from torch import nn
 
-from quantize.calibdata import CalibrationData
-from quantize.layerwise import LayerwiseModel, Pack, make_packs, next_token_targets, sample_sequences
+from quantize.io.calibration import CalibrationData
+from quantize.sequential.packing import Pack, make_packs, next_token_targets, sample_sequences
+from quantize.sequential.runner import BlockRunner
 
 
 def eval_packs(calibration: CalibrationData, tokens: int, seed: int) -> list[Pack]:
@@ -26,7 +27,7 @@ def eval_packs(calibration: CalibrationData, tokens: int, seed: int) -> list[Pac
 def reference_hidden(model: nn.Module, packs: list[Pack]) -> list[torch.Tensor]:
     """Final normed hidden states [tokens, hidden] of `model` on each pack, block by block (each block loaded
     once for all packs when the model is streamed)."""
-    lw = LayerwiseModel(model)
+    lw = BlockRunner(model)
     hidden = lw.run_blocks([lw.embed(p) for p in packs], packs)
     out = [lw.norm(h)[0] for h in hidden]
     lw.forget_rope()
@@ -43,7 +44,7 @@ def compare_to_reference(
 ) -> dict[str, float]:
     """KL, top-1 agreement and perplexities of `model` against FP32 final hidden states on held-out packs."""
     candidate = reference_hidden(model, packs)
-    return compare_hidden(packs, reference, candidate, reference_head, LayerwiseModel(model).lm_head, chunk)
+    return compare_hidden(packs, reference, candidate, reference_head, BlockRunner(model).lm_head, chunk)
 
 
 @torch.inference_mode()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quantize.exports import lazy_exports
+from quantize.common.lazy import lazy_exports
 
 _EXPORTS = {
     "Engine": "serve.engine",

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantize.kernels import ops as kernels
-from quantize.modules import numerics, set_prefill_dtype
+from quantize.runtime.kernels import ops as kernels
+from quantize.runtime.modules import numerics, set_prefill_dtype
 from serve.block_pool import BlockPool
 from serve.kv_cache import KVLayout, parse_memory
 from serve.metrics import Metrics
@@ -68,7 +68,7 @@ class EngineConfig:
     # every token through the fused native step and the native LM head, so that a token's KV and logits don't
     # depend on the batch or on whether its prefix was reused (serve/runner.py); prefill is slower
     batch_invariant: bool = False
-    # the precision of prefill-sized GEMMs of int8/int4 linears (quantize.modules.PREFILL_DTYPES): float32 on every
+    # the precision of prefill-sized GEMMs of int8/int4 linears (quantize.runtime.modules.PREFILL_DTYPES): float32 on every
     # CPU unless asked; bfloat16 prefills faster where the CPU has AMX-BF16/AVX512-BF16, at a measured KL cost
     prefill_dtype: str = "float32"
     # tiers below the pool (serve/tiers): host memory and a directory, each bounded in bytes (0: off)

@@ -64,7 +64,8 @@ class KVLayout:
 
 def parse_memory(value: str | float | int, device: torch.device) -> int:
     """Bytes from '512MB', '2GiB', 1e9, or a fraction of currently free memory ('0.25')."""
-    from quantize.memory import available_memory, parse_size
+    from quantize.common.memory import available_memory
+    from quantize.common.sizes import parse_size
 
     free = None
     if (isinstance(value, int | float) and 0 < float(value) <= 1) or (

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantize.kernels import ops as kernels
-from quantize.modules import decode_part, fuse_linears
+from quantize.runtime.kernels import ops as kernels
+from quantize.runtime.modules import decode_part, fuse_linears
 from serve.kv_cache import KVLayout
 from serve.scheduler import Scheduled
 

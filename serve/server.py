@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantize.errors import QpackError
-from quantize.memory import parse_size
-from quantize.modules import PREFILL_DTYPES
+from quantize.common.errors import QpackError
+from quantize.common.sizes import parse_size
+from quantize.runtime.modules import PREFILL_DTYPES
 from serve.engine import Engine, EngineConfig
 from serve.kv_cache import KV_DTYPES
 from serve.openai import ServerInfo, create_app
@@ -41,11 +41,11 @@ class LoadedModel:
 
 def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
     """An artifact directory (quantized modules) or any `--model` spec (FP32/BF16, for comparison)."""
-    from quantize.models import load_model, load_tokenizer, resolve_model, weights_sha256
+    from quantize.model.sources import load_model, load_tokenizer, resolve_model, weights_sha256
 
     path = Path(target).expanduser()
     if (path / "manifest.json").is_file():
-        from quantize.artifact import content_sha256, load_artifact
+        from quantize.io.artifact import content_sha256, load_artifact
 
         loaded = load_artifact(path, device=device, skeleton=True)
         tokenizer = load_tokenizer(path, loaded.manifest.get("tokenizer_class"))
@@ -64,7 +64,7 @@ def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -
 
 def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     """The engine, with the heap trimmed after it is built (fusing q/k/v and gate/up frees the unfused copies)."""
-    from quantize.memory import trim_heap
+    from quantize.common.memory import trim_heap
 
     config = dataclasses.replace(config, model_hash=config.model_hash or loaded.content_hash)
     try:
@@ -76,7 +76,7 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
 
 
 def describe(engine: Engine) -> str:
-    from quantize.kernels import ops as kernels
+    from quantize.runtime.kernels import ops as kernels
 
     tokens = engine.num_blocks * engine.config.block_size
     decode_kernels = (

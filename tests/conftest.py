@@ -154,8 +154,9 @@ def queries_file(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_artifact(tiny_qwen2_calibration: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Qwen2 (q/k/v biases, untied head) artifact mixing int8, int4, bf16 and a linear kept FP32."""
-    from quantize.pipeline import QuantizeConfig, quantize_model
-    from quantize.sensitivity import SensitivityConfig
+    from quantize.config import QuantizeConfig
+    from quantize.pipeline import quantize_model
+    from quantize.sensitivity.measure import SensitivityConfig
 
     out = tmp_path_factory.mktemp("qwen2-artifact") / "art"
     overrides = (
@@ -182,7 +183,7 @@ def kernel_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Which kernels a test's quantized modules run on, forced for its duration: torch's ops, or qpack's native
     kernels in this machine's build (tests/quantize/test_native.py forces each build). A test that takes this
     fixture never inherits the path from whatever an earlier test loaded."""
-    from quantize.kernels import ops
+    from quantize.runtime.kernels import ops
 
     target = None
     if request.param == "native":

@@ -78,7 +78,7 @@ def test_each_package_imports_only_what_its_room_allows() -> None:
 def test_the_checker_sees_lazy_imports(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
     source.write_text(
-        "import os\n\ndef f():\n    from serve.engine import Engine\n    import quantize.errors\n"
+        "import os\n\ndef f():\n    from serve.engine import Engine\n    import quantize.common.errors\n"
     )
     assert _imported_packages(source) == Counter({"serve": 1, "quantize": 1})
 

@@ -26,7 +26,7 @@ from qpack.bench.serving import ServeBenchConfig, run_serve_bench
 
 def bench_decode(config: DecodeConfig, out_dir: Path | None = None) -> tuple[dict[str, Any], Path]:
     """Decode and prefill speed of an artifact against FP32 `generate`; (result, results folder)."""
-    from quantize.artifact import read_manifest
+    from quantize.io.artifact import read_manifest
 
     read_manifest(config.artifact)  # a clear error before any worker starts
     result = run_decode_bench(config)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantize.errors import QpackError
+from quantize.common.errors import QpackError
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,10 @@ class DecodeConfig:
     repeats: int = 3
     seed: int = 0
     compile: bool = False
-    prefill_dtype: str = "float32"  # the artifact's prefill GEMMs (quantize.modules.PREFILL_DTYPES)
+    prefill_dtype: str = "float32"  # the artifact's prefill GEMMs (quantize.runtime.modules.PREFILL_DTYPES)
 
     def validate(self) -> None:
-        from quantize.modules import PREFILL_DTYPES
+        from quantize.runtime.modules import PREFILL_DTYPES
 
         if self.prefill_dtype not in PREFILL_DTYPES:
             raise QpackError(
@@ -78,7 +78,7 @@ class _PeakRss:
 def decode_bytes(model: nn.Module) -> int:
     """Bytes the decode path reads per token at batch 1: every linear's weights (as its kernels read them),
     norms, head."""
-    from quantize.modules import decode_bytes as module_bytes
+    from quantize.runtime.modules import decode_bytes as module_bytes
 
     return sum(module_bytes(module) for module in model.modules())
 
@@ -206,7 +206,7 @@ class _Artifact:
 
 class _Reference:
     def __init__(self, spec: str) -> None:
-        from quantize.models import load_model, resolve_model
+        from quantize.model.sources import load_model, resolve_model
 
         source = resolve_model(spec)
         self.model = load_model(source)
@@ -244,7 +244,7 @@ class _Reference:
 
 def worker_main() -> None:
     """Worker loop: one JSON command per stdin line, one JSON result per stdout line."""
-    from quantize.memory import trim_heap
+    from quantize.common.memory import trim_heap
 
     spec = json.loads(sys.stdin.readline())
     rss = _PeakRss()
@@ -331,7 +331,7 @@ class Worker:
 
 def run_decode_bench(config: DecodeConfig, progress: Any = None) -> dict[str, Any]:
     from qpack.bench.sysinfo import machine_info, memory_bandwidth_gbs
-    from quantize.artifact import read_manifest
+    from quantize.io.artifact import read_manifest
 
     config.validate()
     manifest = read_manifest(config.artifact)

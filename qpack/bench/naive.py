@@ -142,7 +142,7 @@ def create_naive_app(model: torch.nn.Module, tokenizer: Any, name: str) -> FastA
 def main() -> None:
     import uvicorn
 
-    from quantize.models import load_model, load_tokenizer, resolve_model
+    from quantize.model.sources import load_model, load_tokenizer, resolve_model
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from qpack.bench.loadgen import BenchRequest, run_level
-from quantize.errors import QpackError
+from quantize.common.errors import QpackError
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class ServeBenchConfig:
             raise QpackError(
                 f"--url {self.url} is not a loopback address; the load generator only targets this machine"
             )
-        from quantize.modules import PREFILL_DTYPES
+        from quantize.runtime.modules import PREFILL_DTYPES
 
         if self.prefill_dtype not in PREFILL_DTYPES:
             raise QpackError(
@@ -245,8 +245,8 @@ def run_serve_bench(config: ServeBenchConfig, log: Callable[[str], None] = print
 
 def _tokenizer_and_reference(config: ServeBenchConfig) -> tuple[Any, str]:
     """The tokenizer to measure prompts with, and the model the naive baseline serves (the artifact's source)."""
-    from quantize.artifact import read_manifest
-    from quantize.models import load_tokenizer, resolve_model
+    from quantize.io.artifact import read_manifest
+    from quantize.model.sources import load_tokenizer, resolve_model
 
     if config.artifact is not None:
         reference = config.baseline_model or read_manifest(config.artifact)["source"]["model_id"]

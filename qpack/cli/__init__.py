@@ -42,12 +42,12 @@ def _third_party_warnings_off() -> None:
 
 
 def main() -> None:
-    from quantize.memory import release_freed_memory
+    from quantize.common.memory import release_freed_memory
 
     _third_party_warnings_off()
 
     command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
-    if command != "serve":  # a server reuses same-size buffers every step: see quantize/memory.py
+    if command != "serve":  # a server reuses same-size buffers every step: see quantize/common/memory.py
         release_freed_memory()
     try:
         app()

@@ -12,8 +12,8 @@ from typing import TypeVar
 import typer
 
 from qpack.console import Output
-from quantize import __version__
-from quantize.errors import EXIT_GATE, QpackError
+from quantize.common.errors import EXIT_GATE, QpackError
+from quantize.common.version import __version__
 
 T = TypeVar("T")
 
@@ -92,7 +92,7 @@ def formats(value: str) -> tuple[str, ...]:
 
 def sizes(text: str, option: str) -> int:
     """Bytes from '2GB', '512MiB'... (QpackError naming the option otherwise)."""
-    from quantize.memory import parse_size
+    from quantize.common.sizes import parse_size
 
     try:
         return parse_size(text, option)
@@ -104,7 +104,8 @@ def memory_limit(text: str | None) -> int | None:
     """--max-memory: bytes, a fraction of the memory free now, or None (the library's default)."""
     if text is None:
         return None
-    from quantize.memory import available_memory, parse_size
+    from quantize.common.memory import available_memory
+    from quantize.common.sizes import parse_size
 
     try:
         return parse_size(text, "--max-memory", available_memory())

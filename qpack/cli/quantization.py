@@ -43,8 +43,9 @@ def quantize(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact."),
 ) -> None:
     from quantize.algorithms import GPTQConfig
-    from quantize.pipeline import QuantizeConfig, quantize_model
-    from quantize.sensitivity import SensitivityConfig
+    from quantize.config import QuantizeConfig
+    from quantize.pipeline import quantize_model
+    from quantize.sensitivity.measure import SensitivityConfig
 
     out = output(ctx)
     config = QuantizeConfig(
@@ -98,8 +99,8 @@ def inspect(
     artifact: Path = typer.Argument(..., help="Artifact directory."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Check every file's sha256."),
 ) -> None:
-    from quantize.artifact import read_manifest, verify_artifact
-    from quantize.plan import Plan
+    from quantize.io.artifact import read_manifest, verify_artifact
+    from quantize.planning.plan import Plan
 
     out = output(ctx)
 

@@ -114,7 +114,7 @@ def _calibration_rows(manifest: dict[str, Any], output: Path, seconds: float) ->
 
 
 def plan_table(plan: Any) -> Table:
-    from quantize.report import plan_rows
+    from quantize.planning.heatmap import plan_rows
 
     rows = plan_rows(plan)
     table = Table(title="Plan (decoder blocks x linears)", title_justify="left")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from quantize.errors import QpackError
+from quantize.common.errors import QpackError
 
 
 def _free_port() -> int:

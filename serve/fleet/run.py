@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from quantize.errors import QpackError
+from quantize.common.errors import QpackError
 
 
 def check_redis(url: str) -> None:

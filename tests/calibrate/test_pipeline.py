@@ -7,9 +7,9 @@ import pytest
 from safetensors.torch import load_file
 
 from calibrate import CalibrationConfig, run_calibration
-from quantize.calibdata import CalibrationData
-from quantize.errors import QpackError
-from quantize.models import load_tokenizer
+from quantize.common.errors import QpackError
+from quantize.io.calibration import CalibrationData
+from quantize.model.sources import load_tokenizer
 
 PII = [
     "bob@example.com",

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from calibrate.sources import Message, default_queries_path, iter_json_array, read_source
-from quantize.errors import QpackError
+from quantize.common.errors import QpackError
 
 
 def _write(path: Path, text: str) -> Path:

@@ -3,8 +3,8 @@ from __future__ import annotations
 import torch
 
 from calibrate.stats import collect_stats
-from quantize.models import load_model, resolve_model
-from quantize.streamed import StreamedModel
+from quantize.model.sources import load_model, resolve_model
+from quantize.sequential.streamed import StreamedModel
 
 
 def test_blockwise_stats_match_a_per_sequence_forward(tiny_llama) -> None:

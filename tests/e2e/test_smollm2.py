@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from qpack.cli import app
-from quantize.calibdata import CalibrationData
-from quantize.models import resolve_model
+from quantize.io.calibration import CalibrationData
+from quantize.model.sources import resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -52,8 +52,9 @@ def test_calibrate_defaults_on_sharegpt(smollm2_calibration: Path) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2_int8(smollm2_calibration: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from quantize.pipeline import QuantizeConfig, quantize_model
-    from quantize.sensitivity import SensitivityConfig
+    from quantize.config import QuantizeConfig
+    from quantize.pipeline import quantize_model
+    from quantize.sensitivity.measure import SensitivityConfig
 
     out = tmp_path_factory.mktemp("e2e-art") / "int8"
     result = quantize_model(
@@ -80,7 +81,7 @@ def test_scoring_on_smollm2_matches_naive(mmlu_dir: Path) -> None:
 
     from evals.mmlu import load_mmlu
     from evals.scoring import Scorer, score, score_naive
-    from quantize.models import load_model, load_tokenizer
+    from quantize.model.sources import load_model, load_tokenizer
 
     source = resolve_model("smollm2-135m")
     model, tokenizer = load_model(source), load_tokenizer(source)

@@ -9,10 +9,11 @@ from typer.testing import CliRunner
 
 from evals.evaluate import EvaluateConfig, Gate, evaluate
 from qpack.cli import app
-from quantize.artifact import read_manifest, verify_artifact
-from quantize.errors import QpackError
-from quantize.pipeline import QuantizeConfig, quantize_model
-from quantize.sensitivity import SensitivityConfig
+from quantize.common.errors import QpackError
+from quantize.config import QuantizeConfig
+from quantize.io.artifact import read_manifest, verify_artifact
+from quantize.pipeline import quantize_model
+from quantize.sensitivity.measure import SensitivityConfig
 
 runner = CliRunner()
 SUBSET = "anatomy,marketing,college_physics"

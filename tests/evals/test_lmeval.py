@@ -10,8 +10,8 @@ import torch
 
 from evals.mmlu import LETTERS, load_mmlu
 from evals.scoring import letter_block, letter_prefix, score
-from quantize.artifact import load_artifact
-from quantize.models import load_tokenizer
+from quantize.io.artifact import load_artifact
+from quantize.model.sources import load_tokenizer
 
 SUBJECT = "anatomy"
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from evals.mmlu import SUBJECTS, load_mmlu, stratified_limit
-from quantize.errors import QpackError
+from quantize.common.errors import QpackError
 
 
 def test_shared_hendrycks_layout(mmlu_dir: Path) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from evals.mmlu import load_mmlu
 from evals.scoring import Request, Scorer, letter_block, letter_prefix, score, score_naive, shared_length
-from quantize.models import load_model, load_tokenizer, resolve_model
+from quantize.model.sources import load_model, load_tokenizer, resolve_model
 
 
 @pytest.fixture(scope="module")

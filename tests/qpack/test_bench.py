@@ -117,8 +117,9 @@ def test_bandwidth_probe_and_machine_info() -> None:
 
 
 def _artifact(path: Path, calibration: Path, preset: str, **options: object) -> Path:
-    from quantize.pipeline import QuantizeConfig, quantize_model
-    from quantize.sensitivity import SensitivityConfig
+    from quantize.config import QuantizeConfig
+    from quantize.pipeline import quantize_model
+    from quantize.sensitivity.measure import SensitivityConfig
 
     config = QuantizeConfig(
         output=path,

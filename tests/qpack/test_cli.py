@@ -128,7 +128,7 @@ def test_serving_an_artifact_without_its_manifest_exits_2(tiny_qwen2_artifact: P
 def test_third_party_warnings_stay_off_the_terminal(monkeypatch) -> None:
     import warnings
 
-    import quantize.models
+    import quantize.model.sources
     from qpack.cli import _third_party_warnings_off
 
     shown: list[str] = []
@@ -138,7 +138,7 @@ def test_third_party_warnings_stay_off_the_terminal(monkeypatch) -> None:
     )
     _third_party_warnings_off()
     warnings.showwarning("from a library", UserWarning, "/somewhere/site-packages/torch/x.py", 1)
-    warnings.showwarning("from qpack", UserWarning, quantize.models.__file__, 1)
+    warnings.showwarning("from qpack", UserWarning, quantize.model.sources.__file__, 1)
     assert shown == ["from qpack"]
 
 

@@ -8,17 +8,19 @@ import pytest
 import torch
 
 from quantize import algorithms as A
-from quantize.handlers import handler_for
-from quantize.layerwise import LayerwiseModel, make_packs
-from quantize.models import load_model, resolve_model
-from quantize.schemes import Int4, Int8
+from quantize.formats.handlers import handler_for
+from quantize.formats.primitives import output_error
+from quantize.formats.schemes import Int4, Int8
+from quantize.model.sources import load_model, resolve_model
+from quantize.sequential.packing import make_packs
+from quantize.sequential.runner import BlockRunner
 
 
 @pytest.fixture(scope="module")
 def layer_inputs(
     stories_dir: Path, stories_calibration: Path
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    from quantize.calibdata import CalibrationData
+    from quantize.io.calibration import CalibrationData
 
     model = load_model(resolve_model(str(stories_dir)))
     data = CalibrationData.load(stories_calibration)
@@ -36,7 +38,7 @@ def layer_inputs(
                 lambda _m, args, n=name: captured.setdefault(n, []).append(args[0][0])
             )
         )
-    lw = LayerwiseModel(model)
+    lw = BlockRunner(model)
     for pack in make_packs(data.train[:64], 256):
         lw.final_hidden(pack)
     for handle in handles:
@@ -51,8 +53,8 @@ def test_gptq_beats_rtn_on_real_layers(scheme, layer_inputs) -> None:
         h = x.t() @ x
         rtn = handler.dequantize(scheme, A.rtn(scheme, weight))
         gptq = handler.dequantize(scheme, A.gptq(scheme, weight, h))
-        rtn_error = float(A.output_error(rtn - weight, h))
-        gptq_error = float(A.output_error(gptq - weight, h))
+        rtn_error = float(output_error(rtn - weight, h))
+        gptq_error = float(output_error(gptq - weight, h))
         assert gptq_error < 0.9 * rtn_error, (name, gptq_error, rtn_error)
 
 
@@ -76,8 +78,8 @@ def test_awq_never_worse_than_rtn_and_usually_better(layer_inputs) -> None:
         scale, alpha = A.awq_search([weight], [Int4(32)], h, rms)
         awq = A.fake_quant(Int4(32), weight * scale) / scale
         rtn = A.fake_quant(Int4(32), weight)
-        awq_error = float(A.output_error(awq - weight, h))
-        rtn_error = float(A.output_error(rtn - weight, h))
+        awq_error = float(output_error(awq - weight, h))
+        rtn_error = float(output_error(rtn - weight, h))
         assert awq_error <= rtn_error * (1 + 1e-6), name
         improvements += awq_error < rtn_error * 0.99
         assert 0.0 <= alpha <= 1.0

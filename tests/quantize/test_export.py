@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantize.artifact import load_artifact
-from quantize.errors import QpackError
-from quantize.export import export_compressed_tensors
-from quantize.handlers import handler_for
-from quantize.pipeline import QuantizeConfig, quantize_model
-from quantize.plan import Plan
-from quantize.sensitivity import SensitivityConfig
+from quantize.common.errors import QpackError
+from quantize.config import QuantizeConfig
+from quantize.formats.handlers import handler_for
+from quantize.io.artifact import load_artifact
+from quantize.io.compressed_tensors import export_compressed_tensors
+from quantize.pipeline import quantize_model
+from quantize.planning.plan import Plan
+from quantize.sensitivity.measure import SensitivityConfig
 
 pytest.importorskip("compressed_tensors")
 

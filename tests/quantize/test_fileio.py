@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from quantize.fileio import atomic_output_dir, partial_dir, remove_stale_partials, write_json
+from quantize.common.fileio import atomic_output_dir, partial_dir, remove_stale_partials, write_json
 
 
 def test_a_killed_writers_partial_is_removed_by_the_next_write(tmp_path: Path) -> None:
@@ -21,7 +21,7 @@ def test_a_killed_writers_partial_is_removed_by_the_next_write(tmp_path: Path) -
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; from quantize.fileio import partial_dir; "
+            "import sys, time; from pathlib import Path; from quantize.common.fileio import partial_dir; "
             f"p = partial_dir(Path({str(out)!r})); (p / 'model.safetensors').write_bytes(b'x' * 1000); "
             "print(p, flush=True); time.sleep(600)",
         ],

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import tomllib
 
-from quantize.kernels import build
+from quantize.runtime.kernels import build
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_source_file_is_package_data_and_compiled_or_included() -> None:
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
-    patterns = config["tool"]["setuptools"]["package-data"]["quantize.kernels"]
+    patterns = config["tool"]["setuptools"]["package-data"]["quantize.runtime.kernels"]
     files = sorted(p.name for p in build.SOURCE_DIR.iterdir())
     shipped = [f for f in files if any(fnmatch.fnmatch(f"csrc/{f}", pattern) for pattern in patterns)]
     assert shipped == files, f"not package data: {sorted(set(files) - set(shipped))}"

@@ -5,15 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantize.layerwise import (
-    LayerwiseModel,
-    common_prefix,
-    kl_to_reference,
-    make_packs,
-    next_token_targets,
-    reference_logits,
-)
-from quantize.models import load_model, resolve_model
+from quantize.model.sources import load_model, resolve_model
+from quantize.sensitivity.exact import kl_to_reference, reference_logits
+from quantize.sequential.packing import common_prefix, make_packs, next_token_targets
+from quantize.sequential.runner import BlockRunner
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
@@ -30,7 +25,7 @@ def test_packed_forward_equals_per_sequence_forward(
     assert (packs[0].prefix == 7) == share
     represented = sum(p.represented_tokens for p in packs)
     assert represented == sum(len(s) for s in sequences)
-    lw = LayerwiseModel(model)
+    lw = BlockRunner(model)
     seen = 0
     with torch.inference_mode():
         for pack in packs:

@@ -5,8 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from quantize.errors import QpackError
-from quantize.models import check_architecture, load_model, load_tokenizer, resolve_model, weights_sha256
+from quantize.common.errors import QpackError
+from quantize.model.sources import (
+    check_architecture,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+    weights_sha256,
+)
 
 
 def test_local_folders_resolve(tiny_llama: Path, tiny_qwen2: Path) -> None:

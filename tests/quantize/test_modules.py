@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantize.handlers import HANDLERS, handler_for
-from quantize.modules import Int4Linear, Int8Linear, QuantLinear
-from quantize.schemes import BF16, FP16, W8A8, BnbInt8, BnbNF4, Int4, Int8, Scheme
+from quantize.formats.handlers import HANDLERS, handler_for
+from quantize.formats.schemes import BF16, FP16, W8A8, BnbInt8, BnbNF4, Int4, Int8, Scheme
+from quantize.runtime.modules import Int4Linear, Int8Linear, QuantLinear
 from tests.numerics import gemm_error_bound
 
 CASES: list[tuple[Scheme, float]] = [
@@ -92,7 +92,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_below_the_dense_path(
     """A seeded request must sample the same tokens alone or among others (fleet regeneration relies on it):
     every batch size that decode steps and short prefills use gives each row bit-identical outputs (with the
     native kernels; torch's int8/int4 paths make no such promise)."""
-    from quantize.kernels import ops as kernels
+    from quantize.runtime.kernels import ops as kernels
 
     torch.manual_seed(0)
     handler = handler_for(scheme)
@@ -114,7 +114,7 @@ def test_quantization_error_floor(kernel_path: str) -> None:
     for scheme, min_sqnr in ((Int8(), 38.0), (Int4(64), 17.0), (BF16(), 45.0)):
         handler = handler_for(scheme)
         module = handler.build(scheme, handler.quantize(scheme, weight), None, torch.device("cpu"))
-        from quantize.primitives import sqnr_db
+        from quantize.formats.primitives import sqnr_db
 
         assert sqnr_db(reference, module(x)) > min_sqnr, scheme
 
@@ -136,7 +136,7 @@ def test_w8a8_with_smoothing_matches_fake_quant(kernel_path: str) -> None:
 
 
 def test_every_scheme_has_a_handler() -> None:
-    from quantize.schemes import SCHEMES
+    from quantize.formats.schemes import SCHEMES
 
     assert {cls.type for cls in HANDLERS} == set(SCHEMES)
 
@@ -158,7 +158,7 @@ def test_bitsandbytes_schemes(scheme: Scheme) -> None:
 
 @pytest.mark.parametrize("scheme", [Int8(), Int4(32), BF16(), None], ids=lambda s: s.label() if s else "fp32")
 def test_fused_projection_equals_separate_ones(scheme: Scheme | None, kernel_path: str) -> None:
-    from quantize.modules import fuse_linears
+    from quantize.runtime.modules import fuse_linears
 
     torch.manual_seed(5)
     modules = []
@@ -192,7 +192,7 @@ def test_prefill_runs_in_float32_unless_set_whatever_the_cpu(scheme: Scheme, ker
     """One numeric path by default: a prefill-sized batch multiplies in float32 on every CPU (AMX and
     AVX512-BF16 included); bfloat16 only when set on the model, within bf16 rounding of the exact product,
     inherited by fused modules and reported by `prefill_dtype_of`."""
-    from quantize.modules import fuse_linears, prefill_dtype_of, set_prefill_dtype
+    from quantize.runtime.modules import fuse_linears, prefill_dtype_of, set_prefill_dtype
 
     torch.manual_seed(0)
     handler = handler_for(scheme)

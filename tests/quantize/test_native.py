@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quantize import primitives as P
-from quantize.handlers import Int4Handler
-from quantize.kernels import build
-from quantize.kernels import ops as kernels
-from quantize.modules import PREFILL_DTYPES, HalfLinear, Int4Linear, Int8Linear
-from quantize.schemes import BF16, Int4, Int8
+from quantize.formats import primitives as P
+from quantize.formats.handlers import Int4Handler
+from quantize.formats.schemes import BF16, Int4, Int8
+from quantize.runtime.kernels import build
+from quantize.runtime.kernels import ops as kernels
+from quantize.runtime.modules import PREFILL_DTYPES, HalfLinear, Int4Linear, Int8Linear
 from tests.numerics import gemm_error_bound, int16_rounding_bound
 
 pytestmark = pytest.mark.skipif(
@@ -162,7 +162,7 @@ def test_int4_prefill_matches_the_dequantized_form_in_its_dtype(
 
 def test_int4_keeps_one_copy_of_its_weights_with_the_native_kernels(isa: str) -> None:
     """torch's int4pack layout is a second copy of the weights: built only when its kernel runs."""
-    from quantize.modules import fuse_linears
+    from quantize.runtime.modules import fuse_linears
 
     torch.manual_seed(0)
     scheme = Int4(group_size=32)

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantize.artifact import load_artifact, read_manifest, update_manifest, verify_artifact
-from quantize.errors import QpackError
-from quantize.modules import BnbLinear, HalfLinear, Int4Linear, Int8Linear, W8A8Linear
-from quantize.pipeline import QuantizeConfig, quantize_model
-from quantize.sensitivity import SensitivityConfig
+from quantize.common.errors import QpackError
+from quantize.config import QuantizeConfig
+from quantize.io.artifact import load_artifact, read_manifest, update_manifest, verify_artifact
+from quantize.pipeline import quantize_model
+from quantize.runtime.modules import BnbLinear, HalfLinear, Int4Linear, Int8Linear, W8A8Linear
+from quantize.sensitivity.measure import SensitivityConfig
 
 FAST = dict(sensitivity=SensitivityConfig(num_tokens=64), calib_tokens=512, eval_tokens=256)
 
@@ -59,8 +60,8 @@ def test_each_scheme_on_a_tiny_tied_llama(
 def _remeasured(artifact: Path, calibration: Path, model_dir: Path) -> dict[str, float]:
     """The held-out quality of the artifact as loaded from disk, against the FP32 model loaded whole: an
     independent answer to what the streaming quantize pass measured while it wrote the artifact."""
-    from quantize.calibdata import CalibrationData
-    from quantize.models import load_model, resolve_model
+    from quantize.io.calibration import CalibrationData
+    from quantize.model.sources import load_model, resolve_model
     from quantize.quality import compare_to_reference, eval_packs, reference_hidden
 
     packs = eval_packs(CalibrationData.load(calibration), FAST["eval_tokens"], 0)
@@ -223,12 +224,12 @@ def test_an_impossible_size_budget_fails_before_any_sensitivity_is_measured(
     tiny_llama, tiny_llama_calibration, tmp_path, monkeypatch
 ):
     """The reachable range depends on layer shapes and candidates only: no minutes of sensitivity first."""
-    import quantize.pipeline as pipeline
+    import quantize.planning.build as planning
 
     def measured(*_args, **_kwargs):
         raise AssertionError("sensitivity measured before the budget was checked")
 
-    monkeypatch.setattr(pipeline, "measure_sensitivity", measured)
+    monkeypatch.setattr(planning, "measure_sensitivity", measured)
     with pytest.raises(
         QpackError, match=r"--target-bits 4\.0 is below the 8\.\d+ bits .*reachable: 8\.\d+ to 16\.\d+"
     ):
@@ -245,7 +246,7 @@ def test_loading_a_model_imports_no_peer_backend(tiny_llama):
 
     assert importlib.util.find_spec("torchao") is not None, "the peers extra is part of the test set-up"
     check = (
-        "import sys; from quantize.models import load_model, resolve_model; "
+        "import sys; from quantize.model.sources import load_model, resolve_model; "
         f"load_model(resolve_model({str(tiny_llama)!r})); assert 'torchao' not in sys.modules"
     )
     proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from quantize.errors import QpackError
-from quantize.plan import Plan, PlanRules
-from quantize.schemes import BF16, Int4, Int8
+from quantize.common.errors import QpackError
+from quantize.formats.schemes import BF16, Int4, Int8
+from quantize.planning.plan import Plan, PlanRules
 
 NAMES = [
     "model.layers.0.self_attn.q_proj",

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from quantize.errors import QpackError
-from quantize.planner import Option, solve
-from quantize.schemes import BF16, Int4, Int8
+from quantize.common.errors import QpackError
+from quantize.formats.schemes import BF16, Int4, Int8
+from quantize.planning.knapsack import Option, solve
 
 
 def _random_layers(rng: random.Random, count: int) -> dict[str, list[Option]]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantize import primitives as P
+from quantize.formats import primitives as P
 
 
 def test_int8_reference_values() -> None:

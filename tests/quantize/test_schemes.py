@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from quantize.errors import QpackError
-from quantize.schemes import (
+from quantize.common.errors import QpackError
+from quantize.formats.schemes import (
     BF16,
     FP16,
     FP32,

@@ -7,11 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantize.calibdata import CalibrationData
-from quantize.layerwise import LayerwiseModel, kl_to_reference, make_packs, reference_logits, sample_sequences
-from quantize.models import load_model, resolve_model
-from quantize.schemes import BF16, Int4, Int8
-from quantize.sensitivity import SensitivityConfig, _runtime, measure_sensitivity
+from quantize.formats.schemes import BF16, Int4, Int8
+from quantize.io.calibration import CalibrationData
+from quantize.model.sources import load_model, resolve_model
+from quantize.sensitivity.exact import _runtime, kl_to_reference, reference_logits
+from quantize.sensitivity.measure import SensitivityConfig, measure_sensitivity
+from quantize.sequential.packing import make_packs, sample_sequences
+from quantize.sequential.runner import BlockRunner
 
 LAYER = "model.layers.2.mlp.down_proj"
 OTHER = "model.layers.0.self_attn.v_proj"
@@ -33,7 +35,7 @@ def test_measured_kl_equals_full_model_kl(
     packs = make_packs(sample_sequences(data.heldout, 200, 0, truncate=True), 512, share_prefix=True)
     quantized = copy.deepcopy(model)
     quantized.model.layers[0].self_attn.v_proj = _runtime(Int4(32), model.model.layers[0].self_attn.v_proj)
-    ref_lw, q_lw = LayerwiseModel(model), LayerwiseModel(quantized)
+    ref_lw, q_lw = BlockRunner(model), BlockRunner(quantized)
     total = count = 0.0
     for pack in packs:
         reference = reference_logits(model.lm_head, ref_lw.final_hidden(pack)[0])
@@ -88,7 +90,7 @@ def test_the_fisher_estimate_tracks_exact_kl_and_streams(
 ) -> None:
     """On a genuinely FP32 model, the second-order Fisher estimate of each layer's KL against the exact KL
     (an independent answer: each layer quantized alone, the tail re-run); streamed, each block is read twice."""
-    from quantize.streamed import StreamedModel
+    from quantize.sequential.streamed import StreamedModel
 
     model = load_model(resolve_model(str(stories_dir)))
     data = CalibrationData.load(stories_calibration)
@@ -115,7 +117,7 @@ def test_the_fisher_estimate_tracks_exact_kl_and_streams(
 
 
 def test_auto_picks_exact_kl_when_it_fits_the_budget_and_fisher_when_not(stories_dir: Path) -> None:
-    from quantize.sensitivity import choose_method
+    from quantize.sensitivity.measure import choose_method
 
     model = load_model(resolve_model(str(stories_dir)))
     candidates = {

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantize.artifact import load_artifact
-from quantize.errors import QpackError
-from quantize.skeleton import RotaryEmbedding, SkeletonConfig
+from quantize.common.errors import QpackError
+from quantize.io.artifact import load_artifact
+from quantize.runtime.skeleton import RotaryEmbedding, SkeletonConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 ROPES = [
@@ -83,8 +83,8 @@ def test_the_served_tokenizer_is_the_one_autotokenizer_resolves(tiny_qwen2_artif
     """The artifact records the class AutoTokenizer picked (Qwen2Tokenizer for this generic tokenizer.json)."""
     from transformers import AutoTokenizer
 
-    from quantize.artifact import read_manifest
-    from quantize.models import load_tokenizer
+    from quantize.io.artifact import read_manifest
+    from quantize.model.sources import load_tokenizer
 
     recorded = read_manifest(tiny_qwen2_artifact)["tokenizer_class"]
     theirs = AutoTokenizer.from_pretrained(str(tiny_qwen2_artifact))
@@ -123,8 +123,9 @@ def test_an_artifact_from_a_legacy_config_is_served_from_its_complete_config(
 ) -> None:
     """A transformers 4 config.json (rope_theta at the top, no head_dim): the artifact writes the config as
     transformers reads it, complete, so the skeleton needs no config class."""
-    from quantize.pipeline import QuantizeConfig, quantize_model
-    from quantize.sensitivity import SensitivityConfig
+    from quantize.config import QuantizeConfig
+    from quantize.pipeline import quantize_model
+    from quantize.sensitivity.measure import SensitivityConfig
 
     legacy = copy_dir(tiny_llama, "legacy")
     data = json.loads((legacy / "config.json").read_text())

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantize.artifact import INDEX_FILE, load_artifact, read_manifest, verify_artifact
-from quantize.checkpoint import Checkpoint
-from quantize.errors import QpackError
-from quantize.pipeline import QuantizeConfig, quantize_model
-from quantize.sensitivity import SensitivityConfig
-from quantize.streamed import StreamedModel
+from quantize.common.errors import QpackError
+from quantize.config import QuantizeConfig
+from quantize.io.artifact import INDEX_FILE, load_artifact, read_manifest, verify_artifact
+from quantize.io.checkpoint import Checkpoint
+from quantize.pipeline import quantize_model
+from quantize.sensitivity.measure import SensitivityConfig
+from quantize.sequential.streamed import StreamedModel
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def test_a_tampered_shard_is_refused_and_one_file_artifacts_still_load(
 
 
 def test_a_memory_limit_below_one_block_is_refused_with_what_would_fit(sharded_bf16: Path) -> None:
-    from quantize.streamed import check_memory
+    from quantize.sequential.streamed import check_memory
 
     streamed = StreamedModel(sharded_bf16)
     needed = streamed.needed_bytes(1000)

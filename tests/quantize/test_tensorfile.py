@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantize.errors import QpackError
-from quantize.tensorfile import check_safetensors, read_safetensors
+from quantize.common.errors import QpackError
+from quantize.io.tensorfile import check_safetensors, read_safetensors
 
 
 def _tensors() -> dict[str, torch.Tensor]:

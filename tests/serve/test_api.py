@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from quantize.models import load_model, load_tokenizer, resolve_model
+from quantize.model.sources import load_model, load_tokenizer, resolve_model
 from serve.engine import Engine, EngineConfig
 from serve.openai import ServerInfo
 from serve.server import BackgroundServer
@@ -332,7 +332,7 @@ def test_a_non_streaming_client_that_disconnects_frees_its_blocks_at_once(tiny_l
 def test_the_prefill_dtype_is_set_on_the_model_and_keys_its_kv(tiny_qwen2_artifact: Path) -> None:
     """`--prefill-dtype bfloat16` reaches every quantized linear (fused ones included), and KV computed on one
     numeric path is never reused on another: the prefix-cache namespace and the stored blocks' key differ."""
-    from quantize.modules import QuantLinear
+    from quantize.runtime.modules import QuantLinear
     from serve.server import build_engine, load_for_serving
 
     engines = {

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from quantize.handlers import handler_for
-from quantize.kernels import ops as kernels
-from quantize.models import load_tokenizer
-from quantize.schemes import BF16, FP16, Int4, Int8, Scheme
-from quantize.surgery import QuantizedWeight, install
+from quantize.formats.handlers import handler_for
+from quantize.formats.schemes import BF16, FP16, Int4, Int8, Scheme
+from quantize.model.sources import load_tokenizer
+from quantize.model.surgery import QuantizedWeight, install
+from quantize.runtime.kernels import ops as kernels
 from serve import engine as engine_module
 from serve.engine import Engine, EngineConfig, RequestOutput
 from serve.sequence import SamplingParams

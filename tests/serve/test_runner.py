@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantize.artifact import load_artifact
-from quantize.models import load_model, load_tokenizer, resolve_model
+from quantize.io.artifact import load_artifact
+from quantize.model.sources import load_model, load_tokenizer, resolve_model
 from serve.engine import Engine, EngineConfig, RequestOutput
 from serve.sequence import SamplingParams
 from serve.server import load_for_serving

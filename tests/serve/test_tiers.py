@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantize.models import load_model, load_tokenizer, resolve_model
+from quantize.model.sources import load_model, load_tokenizer, resolve_model
 from serve.block_pool import chain_root, prefix_keys
 from serve.engine import Engine, EngineConfig, write_queue_bytes
 from serve.sequence import SamplingParams

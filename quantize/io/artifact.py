@@ -1,0 +1,432 @@
+"""The versioned artifact: safetensors + JSON, verified on load, rebuilt without the original weights.
+
+Layout (format_version 2; version 1, a single `model.safetensors`, still loads):
+- Weights: quantized linears as `{fqn}.{tensor}` (e.g. `qweight`, `scale`, `zero_point`), their biases as
+  `{fqn}.bias`, and every other weight (embeddings, LM head, norms, FP32-kept linears) in FP32 under its usual
+  name; a tied LM head is stored once, as the embedding. One `model.safetensors` when the weights fit one shard
+  of `--max-shard-size` (default 2 GB), else `model-0000k-of-0000n.safetensors` with the Hugging Face index
+  `model.safetensors.index.json`. A module's tensors never straddle two shards. The quantizer writes shards as
+  blocks are quantized, and the loader reads them one at a time, so neither holds the whole artifact twice.
+- `config.json`, `generation_config.json` and the tokenizer files of the source model, unchanged.
+- `manifest.json`: format/version, name, version, provenance (source model id and weights hash, calibration
+  manifest hash and summary), the per-module plan (scheme + algorithm), the sensitivity table, size stats,
+  measured quality, the sha256 of every other file, and an `evals` section `qpack evaluate` fills in.
+- `sensitivity.png`: the layer x scheme sensitivity heatmap and the chosen plan.
+
+Only safetensors and JSON are ever read: a directory containing pickle-like files is refused, and every
+listed file's hash must match before anything is loaded. Writes are atomic (temp dir, then rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantize.common.errors import QpackError
+from quantize.common.fileio import atomic_output_dir, read_json, sha256_file, write_json
+from quantize.common.version import __version__
+from quantize.formats.schemes import Scheme
+from quantize.io.tensorfile import read_safetensors
+from quantize.model.sources import tokenizer_class, tokenizer_files
+from quantize.model.surgery import QuantizedWeight, install
+from quantize.planning.plan import Plan
+from quantize.runtime.modules import QuantLinear
+
+FORMAT = "qpack.artifact"
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 2 * 10**9
+MANIFEST_FILE = "manifest.json"
+HEATMAP_FILE = "sensitivity.png"
+_SOURCE_FILES = ("config.json", "generation_config.json")
+_FORBIDDEN_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".npy", ".npz", ".joblib")
+
+
+def fp_state_dict(model: nn.Module, quantized: set[str]) -> dict[str, torch.Tensor]:
+    """Every persistent floating-point tensor not owned by a quantized linear, tied weights stored once."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+    prefixes = tuple(f"{fqn}." for fqn in quantized)
+    for name, tensor in model.state_dict().items():
+        if name.startswith(prefixes):
+            continue
+        key = tensor.untyped_storage().data_ptr()
+        if key in seen and tensor.numel() > 0:
+            continue
+        seen[key] = name
+        tensors[name] = tensor.detach().to(torch.float32).contiguous()
+    return tensors
+
+
+class ArtifactWriter:
+    """An artifact's weights written shard by shard as a quantize pass produces them, and its size stats.
+
+    `add_fp` and `add_quantized` take one module's (or block's) tensors at a time; a shard is written once the
+    next group would overflow `max_shard_bytes`, so at most one shard's tensors are held. `finish` names the
+    shards (`model.safetensors` alone, or `model-0000k-of-0000n` with an index) and returns their names."""
+
+    def __init__(self, folder: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+        self.folder, self.max_shard_bytes = folder, max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[tuple[Path, list[str]]] = []
+        self.fp_bytes = self.quantized_bytes = self.quantized_fp32_bytes = 0
+        self.by_scheme: dict[str, int] = {}
+        self.tensor_names: dict[str, list[str]] = {}
+
+    def add_fp(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Weights kept in floating point, stored as FP32 (embeddings, head, norms, FP32-kept linears)."""
+        fp32 = {name: t.detach().to(torch.float32).contiguous().cpu() for name, t in tensors.items()}
+        self.fp_bytes += sum(t.numel() * 4 for t in fp32.values())
+        self._add(fp32)
+
+    def add_quantized(self, fqn: str, record: QuantizedWeight, shape: tuple[int, int]) -> None:
+        tensors = {f"{fqn}.{name}": t.detach().contiguous().cpu() for name, t in record.tensors.items()}
+        if record.bias is not None:
+            tensors[f"{fqn}.bias"] = record.bias.detach().to(torch.float32).contiguous().cpu()
+        nbytes = record.nbytes()
+        self.quantized_bytes += nbytes
+        self.quantized_fp32_bytes += shape[0] * shape[1] * 4 + (
+            0 if record.bias is None else record.bias.numel() * 4
+        )
+        label = record.scheme.label()
+        self.by_scheme[label] = self.by_scheme.get(label, 0) + nbytes
+        self.tensor_names[fqn] = sorted(record.tensors)
+        self._add(tensors)
+
+    def _add(self, tensors: dict[str, torch.Tensor]) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self.pending.update(tensors)
+        self.pending_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.folder / f".shard-{len(self.shards):05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+        self.shards.append((path, sorted(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        if self.pending or not self.shards:
+            self._flush()
+        if len(self.shards) == 1:
+            os.replace(self.shards[0][0], self.folder / WEIGHTS_FILE)
+            return [WEIGHTS_FILE]
+        names, weight_map = [], {}
+        for number, (path, tensors) in enumerate(self.shards, start=1):
+            name = f"model-{number:05d}-of-{len(self.shards):05d}.safetensors"
+            os.replace(path, self.folder / name)
+            names.append(name)
+            weight_map.update(dict.fromkeys(tensors, name))
+        total = sum((self.folder / n).stat().st_size for n in names)
+        write_json(self.folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        return names
+
+    def size_stats(self, plan: Plan) -> dict[str, Any]:
+        total_fp32 = self.fp_bytes + self.quantized_fp32_bytes
+        stored = self.fp_bytes + self.quantized_bytes
+        return {
+            "tensor_bytes": stored,
+            "fp32_bytes": total_fp32,
+            "ratio_to_fp32": round(stored / total_fp32, 4) if total_fp32 else 1.0,
+            "fp32_kept_bytes": self.fp_bytes,
+            "quantized_bytes": self.quantized_bytes,
+            "quantized_bytes_by_scheme": dict(self.by_scheme),
+            "avg_bits_quantized": round(plan.bits(), 4),
+        }
+
+
+def _complete_config(model: nn.Module) -> dict[str, Any]:
+    """The model's config as transformers read it (every default filled in, RoPE parameters in the current
+    `rope_parameters` form), so that an artifact's config.json alone describes the model: the serving skeleton
+    reads it without transformers' config classes."""
+    config: dict[str, Any] = json.loads(model.config.to_json_string(use_diff=False))  # type: ignore[operator]
+    return config
+
+
+@contextmanager
+def artifact_writer(
+    output: Path, overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES
+) -> Iterator[ArtifactWriter]:
+    """An `ArtifactWriter` over a partial directory that `finish_artifact` completes and the exit renames into
+    place (removed on any error)."""
+    with atomic_output_dir(output, overwrite, "artifact directory") as tmp:
+        yield ArtifactWriter(tmp, max_shard_bytes)
+
+
+def finish_artifact(
+    writer: ArtifactWriter,
+    *,
+    config: dict[str, Any],
+    plan: Plan,
+    source_dir: Path,
+    manifest: dict[str, Any],
+    heatmap: bytes | None = None,
+) -> dict[str, Any]:
+    """Shards named, config, tokenizer and heatmap copied, the manifest (sizes, every file's sha256) written."""
+    tmp = writer.folder
+    weights = writer.finish()
+    config = dict(config)
+    config.pop("quantization_config", None)
+    if plan.schemes.get("lm_head") is not None and config.get("tie_word_embeddings"):
+        config["tie_word_embeddings"] = False
+    write_json(tmp / "config.json", config)
+    if (source_dir / "generation_config.json").is_file():
+        shutil.copy2(source_dir / "generation_config.json", tmp / "generation_config.json")
+    for path in tokenizer_files(source_dir):
+        shutil.copy2(path, tmp / path.name)
+    if heatmap is not None:
+        (tmp / HEATMAP_FILE).write_bytes(heatmap)
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        **manifest,
+        "qpack_version": __version__,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "modules": plan.to_json(),
+        "tensors": dict(writer.tensor_names),
+        "tokenizer_class": tokenizer_class(source_dir),
+        "size": writer.size_stats(plan),
+        "weights": weights,
+        "evals": manifest.get("evals", {}),
+    }
+    manifest["size"]["file_bytes"] = sum((tmp / name).stat().st_size for name in weights)
+    manifest["files"] = {
+        p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST_FILE
+    }
+    write_json(tmp / MANIFEST_FILE, manifest)
+    return manifest
+
+
+def save_artifact(
+    output: Path,
+    *,
+    model: nn.Module,
+    plan: Plan,
+    records: dict[str, QuantizedWeight],
+    source_dir: Path,
+    manifest: dict[str, Any],
+    heatmap: bytes | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> dict[str, Any]:
+    """Write a whole in-memory model's artifact atomically; returns the manifest as written."""
+    with artifact_writer(output, overwrite, max_shard_bytes) as writer:
+        writer.add_fp(fp_state_dict(model, set(records)))
+        for fqn, record in records.items():
+            writer.add_quantized(fqn, record, plan.shapes[fqn])
+        config = _complete_config(model)
+        return finish_artifact(
+            writer, config=config, plan=plan, source_dir=source_dir, manifest=manifest, heatmap=heatmap
+        )
+
+
+def content_sha256(manifest: dict[str, Any]) -> str:
+    """SHA-256 over the hashes of what the model computes with (weights, config, tokenizer: every file but the
+    eval reports), so evaluating an artifact, which adds reports, does not change its identity."""
+    files = {
+        name: digest for name, digest in manifest.get("files", {}).items() if not name.startswith("evals/")
+    }
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def weight_files(root: Path, manifest: dict[str, Any]) -> list[str]:
+    """The artifact's weight files: the manifest's list (format 2), or the single file of format 1."""
+    return list(manifest.get("weights") or [WEIGHTS_FILE])
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise QpackError(
+            f"artifact {root} does not exist or is not a directory; run `qpack quantize -o {root}`"
+        )
+    if not (root / MANIFEST_FILE).is_file():
+        raise QpackError(
+            f"{root} is not a qpack artifact (no {MANIFEST_FILE}); pass a directory written by qpack quantize"
+        )
+    manifest = read_json(root / MANIFEST_FILE, "artifact manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise QpackError(
+            f"{root} is not a qpack artifact (no qpack manifest.json); pass an artifact directory"
+        )
+    version = manifest.get("format_version")
+    if version not in READABLE_VERSIONS:
+        raise QpackError(
+            f"artifact {root} has format_version {version}; this qpack ({__version__}) reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; upgrade qpack or rebuild the artifact"
+        )
+    return manifest
+
+
+def verify_artifact(path: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check format, forbidden files and every hash; returns the manifest."""
+    root = Path(path).expanduser()
+    manifest = manifest or read_manifest(root)
+    forbidden = sorted(p.name for p in root.iterdir() if p.suffix.lower() in _FORBIDDEN_SUFFIXES)
+    if forbidden:
+        raise QpackError(
+            f"artifact {root} contains {', '.join(forbidden)}: only safetensors and JSON are loaded, never pickles; "
+            "remove them"
+        )
+    files = manifest.get("files") or {}
+    unlisted = [name for name in weight_files(root, manifest) if name not in files]
+    if unlisted:
+        raise QpackError(
+            f"artifact {root} manifest has no hash for {', '.join(unlisted)}; the artifact is incomplete"
+        )
+    bad = [
+        name
+        for name, digest in files.items()
+        if not (root / name).is_file() or sha256_file(root / name) != digest
+    ]
+    if bad:
+        raise QpackError(
+            f"artifact {root} failed verification: {', '.join(bad)} missing or modified since it was written "
+            "(sha256 mismatch); rebuild it with qpack quantize"
+        )
+    return manifest
+
+
+@dataclass
+class LoadedArtifact:
+    model: nn.Module
+    manifest: dict[str, Any]
+    plan: Plan
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest.get("name", self.path.name))
+
+    @property
+    def version(self) -> str:
+        return str(self.manifest.get("version", ""))
+
+
+def load_artifact(
+    path: str | Path, device: str | torch.device = "cpu", verify: bool = True, skeleton: bool = False
+) -> LoadedArtifact:
+    """Rebuild a ready-to-run model from an artifact alone (no access to the original weights).
+
+    skeleton=False: the Hugging Face model (forward, generate), for evaluation. skeleton=True: the same modules
+    and weights in `quantize.runtime.skeleton`'s tree, without transformers' modeling code, for the serving runner
+    (which has its own forward); ~130 MB less resident in a server."""
+    from quantize.model.sources import check_architecture, quiet_transformers
+
+    root = Path(path).expanduser().resolve()
+    manifest = read_manifest(root)
+    if verify:
+        verify_artifact(root, manifest)
+    device = torch.device(device)
+    quiet_transformers()
+    config_dict = read_json(root / "config.json", "artifact config")
+    check_architecture(config_dict, str(root))
+    files = weight_files(root, manifest)
+    plan = Plan.from_json(manifest["modules"])
+    model = _empty_model(root, config_dict, files, skeleton)
+    model.eval()
+    pending: dict[str, torch.Tensor] = {}
+    for name in files:  # one shard in memory at a time, each tensor handed to its module as it is read
+        pending.update(read_safetensors(root / name, "artifact weights", "rebuild the artifact"))
+        _install_ready(model, plan, manifest, pending, device)
+        result = model.load_state_dict(
+            {k: v for k, v in pending.items() if not _quantized_owner(k, plan)}, strict=False, assign=True
+        )
+        if result.unexpected_keys:
+            raise QpackError(
+                f"artifact {root} has unexpected tensors {result.unexpected_keys[:5]}; rebuild it"
+            )
+        pending = {k: v for k, v in pending.items() if _quantized_owner(k, plan)}
+    if pending:
+        owners = sorted({_quantized_owner(k, plan) or k for k in pending})
+        raise QpackError(f"artifact {root} lacks tensors of {', '.join(owners[:3])}; rebuild the artifact")
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=model.config).to(device)  # type: ignore[operator]
+    if getattr(model.config, "tie_word_embeddings", False) and isinstance(model.lm_head, nn.Linear):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if leftover:
+        raise QpackError(f"artifact {root} does not provide {', '.join(leftover[:5])}; rebuild it")
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    model.to(device)
+    return LoadedArtifact(model=model, manifest=manifest, plan=plan, path=root)
+
+
+def _empty_model(root: Path, config_dict: dict[str, Any], files: list[str], skeleton: bool) -> nn.Module:
+    """The module tree on `meta`: the serving skeleton, or the Hugging Face model."""
+    if skeleton:
+        from quantize.io.tensorfile import index_safetensors
+        from quantize.runtime.skeleton import SkeletonConfig, build_skeleton
+
+        config = SkeletonConfig.from_dict(config_dict, str(root / "config.json"))
+        names = [
+            n
+            for f in files
+            for n in index_safetensors(root / f, "artifact weights", "rebuild the artifact")[0]
+        ]
+        return build_skeleton(config, names)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(root)), dtype=torch.float32)
+
+
+def _quantized_owner(name: str, plan: Plan) -> str | None:
+    """The quantized linear a stored tensor belongs to (`{fqn}.qweight`, `{fqn}.bias`...), if any."""
+    fqn = name.rpartition(".")[0]
+    return fqn if plan.schemes.get(fqn) is not None else None
+
+
+def _install_ready(
+    model: nn.Module,
+    plan: Plan,
+    manifest: dict[str, Any],
+    pending: dict[str, torch.Tensor],
+    device: torch.device,
+) -> None:
+    """Install every quantized linear whose tensors have all been read (popping them from `pending`)."""
+    for fqn, scheme in plan.quantized().items():
+        names = manifest["tensors"][fqn]
+        if not all(f"{fqn}.{n}" in pending for n in names):
+            continue
+        tensors = {n: pending.pop(f"{fqn}.{n}") for n in names}
+        bias = pending.pop(f"{fqn}.bias", None)
+        record = QuantizedWeight(
+            scheme=scheme, algorithm=plan.algorithms.get(fqn, "rtn"), tensors=tensors, bias=bias
+        )
+        install(model, fqn, record, device)
+
+
+def update_manifest(path: Path, updates: dict[str, Any]) -> dict[str, Any]:
+    """Merge `updates` into the manifest (e.g. `evals`) atomically; file hashes are re-verified first."""
+    root = Path(path).expanduser()
+    manifest = verify_artifact(root)
+    for key, value in updates.items():
+        if isinstance(value, dict) and isinstance(manifest.get(key), dict):
+            manifest[key] = {**manifest[key], **value}
+        else:
+            manifest[key] = value
+    write_json(root / MANIFEST_FILE, manifest)
+    return manifest
+
+
+def quantized_modules(model: nn.Module) -> dict[str, Scheme]:
+    return {name: m.scheme for name, m in model.named_modules() if isinstance(m, QuantLinear)}

@@ -1,0 +1,285 @@
+"""Applying a plan block by block: fold AWQ/SmoothQuant scales, quantize with GPTQ or RTN, write, move on.
+
+Calibration activations enter block 0 and are carried forward through each block *after* it is quantized, so
+every block is calibrated on the inputs it will really see (the errors of the blocks before it included), and
+peak memory is one block's weights plus the activations. Per block: the input Hessians its groups need (only
+when an algorithm uses them), scale folding for each input group (AWQ searches a per-channel scale,
+SmoothQuant computes one; folded into the previous norm or linear, or kept beside a w8a8 weight), then each
+planned linear quantized in place of its float weight, which is overwritten with its dequantized form for the
+next block's inputs.
+
+The same single pass measures the result: held-out sequences are carried through each block twice, through
+the original FP32 weights (before anything changes) and through the block's runtime quantized modules (real
+kernel numerics), so the final KL/PPL against FP32 needs no second pass and no second copy of the model. With a
+`StreamedModel` each block is read from the checkpoint, used, written to the artifact and dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from quantize import algorithms as A
+from quantize.common.progress import NULL_PROGRESS, Progress
+from quantize.formats.handlers import handler_for
+from quantize.formats.schemes import W8A8, Int4, Int8
+from quantize.io.artifact import ArtifactWriter
+from quantize.io.calibration import CalibrationData, ChannelStats
+from quantize.model.surgery import (
+    InputGroup,
+    QuantizedWeight,
+    fold_input_scale,
+    get_module,
+    input_groups,
+    install,
+)
+from quantize.planning.plan import Plan
+from quantize.sequential.packing import Pack, make_packs, sample_sequences
+from quantize.sequential.runner import BlockRunner, input_hessians
+
+if TYPE_CHECKING:
+    from quantize.config import QuantizeConfig
+
+
+@dataclass
+class _Run:
+    """What every block of one run shares."""
+
+    lw: BlockRunner
+    plan: Plan
+    calibration: CalibrationData
+    config: QuantizeConfig
+    num_tokens: int
+
+
+@dataclass
+class PassResult:
+    """What the pass leaves besides the written weights: per-module info and the held-out final hidden states
+    (normed) of the FP32 model and of the quantized one."""
+
+    info: dict[str, dict[str, Any]]
+    reference: list[torch.Tensor]
+    candidate: list[torch.Tensor]
+    reference_head: nn.Module
+    candidate_head: nn.Module
+
+
+def apply_plan(
+    lw: BlockRunner,
+    plan: Plan,
+    calibration: CalibrationData,
+    config: QuantizeConfig,
+    writer: ArtifactWriter,
+    eval_packs: list[Pack],
+    progress: Progress = NULL_PROGRESS,
+) -> PassResult:
+    """Quantize every planned linear, writing each block's tensors as it is done; measure on `eval_packs`."""
+    packs = make_packs(
+        sample_sequences(calibration.train, config.calib_tokens, config.seed), 512, share_prefix=True
+    )
+    run = _Run(lw, plan, calibration, config, int(sum(p.represented_tokens for p in packs)))
+    info: dict[str, dict[str, Any]] = {}
+    groups = input_groups(lw.model)
+    with torch.inference_mode():
+        hidden = [lw.embed(p) for p in packs]
+        reference = [lw.embed(p) for p in eval_packs]
+    candidate = list(reference)
+    title = f"Quantizing {lw.num_layers} blocks on {run.num_tokens:,} calibration tokens"
+    with progress.task(title, total=lw.num_layers) as task, lw.without_outside():
+        for index in range(lw.num_layers):
+            with lw.block(index):
+                with torch.inference_mode():
+                    reference = [
+                        lw.run_block(index, h, p) for h, p in zip(reference, eval_packs, strict=True)
+                    ]
+                block_groups = [g for g in groups if g.block == index]
+                records = _quantize_block(run, index, block_groups, hidden, packs)
+                with torch.inference_mode():
+                    hidden = [lw.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
+                _write_block(run, index, records, writer, info)
+                with torch.inference_mode():
+                    candidate = [
+                        lw.run_block(index, h, p) for h, p in zip(candidate, eval_packs, strict=True)
+                    ]
+            task.advance()
+    return _finish_outside_blocks(run, writer, info, hidden, packs, reference, candidate)
+
+
+def _write_block(
+    run: _Run,
+    index: int,
+    records: dict[str, QuantizedWeight],
+    writer: ArtifactWriter,
+    info: dict[str, dict[str, Any]],
+) -> None:
+    """The block's FP tensors (norms, kept linears) and quantized linears into the artifact; the quantized
+    linears then run as their runtime modules for the held-out measurement."""
+    prefix = f"model.layers.{index}."
+    layer = run.lw.layers[index]
+    owned = tuple(f"{fqn[len(prefix) :]}." for fqn in records)
+    writer.add_fp({prefix + n: t for n, t in layer.state_dict().items() if not n.startswith(owned)})
+    for fqn, record in records.items():
+        writer.add_quantized(fqn, record, run.plan.shapes[fqn])
+        if record.info:
+            info[fqn] = record.info
+        install(run.lw.model, fqn, record)
+
+
+def _quantize_block(
+    run: _Run, index: int, block_groups: list[InputGroup], hidden: list[torch.Tensor], packs: list[Pack]
+) -> dict[str, QuantizedWeight]:
+    planned = {m for g in block_groups for m in g.members if run.plan.schemes.get(m) is not None}
+    needs = {run.plan.algorithms[m] for m in planned} & {"gptq", "awq", "smoothquant"}
+    model = run.lw.model
+    heads = {g.name: get_module(model, g.members[0]) for g in block_groups}
+    hessians = input_hessians(run.lw, index, heads, hidden, packs) if needs else {}
+    smooth: dict[str, torch.Tensor] = {}
+    info: dict[str, dict[str, Any]] = {}
+    records: dict[str, QuantizedWeight] = {}
+    with torch.no_grad():
+        for group in block_groups:
+            members = [m for m in group.members if m in planned]
+            if members:
+                _fold_group_scale(run, group, members, hessians, smooth, info)
+        for group in block_groups:
+            records.update(_quantize_group(run, group, hessians.pop(group.name, None), smooth, info))
+    return records
+
+
+def _fold_group_scale(
+    run: _Run,
+    group: InputGroup,
+    members: list[str],
+    hessians: dict[str, torch.Tensor],
+    smooth: dict[str, torch.Tensor],
+    info: dict[str, dict[str, Any]],
+) -> None:
+    """SmoothQuant's or AWQ's per-input-channel scale for one input group, folded into the module in front of
+    it (or, with nothing to fold into, kept for the w8a8 members in `smooth`); the group's Hessian follows."""
+    plan, config, model = run.plan, run.config, run.lw.model
+    algorithms = {plan.algorithms[m] for m in members}
+    weights = [get_module(model, m).weight.detach().to(torch.float32) for m in group.members]
+    h = hessians.get(group.name)
+    scale: torch.Tensor | None = None
+    if "smoothquant" in algorithms:
+        stat = run.calibration.stats.get(group.members[0])
+        abs_max = stat.abs_max if stat is not None else torch.diag(h).sqrt()  # type: ignore[arg-type]
+        scale = A.smoothquant_factor(weights, abs_max, config.smoothquant_alpha)
+        for m in members:
+            info.setdefault(m, {})["smoothquant_alpha"] = config.smoothquant_alpha
+    elif "awq" in algorithms and group.predecessor is not None and h is not None:
+        schemes = [plan.schemes.get(m) if plan.algorithms.get(m) == "awq" else None for m in group.members]
+        rms = _input_rms(run.calibration.stats, group.members[0], h, run.num_tokens)
+        scale, alpha = A.awq_search(weights, schemes, h, rms, config.awq)
+        for m in members:
+            info.setdefault(m, {})["awq_alpha"] = alpha
+    if scale is None:
+        return
+    if group.predecessor is not None:
+        fold_input_scale(model, group, scale)
+        if h is not None:
+            hessians[group.name] = h / scale[:, None] / scale[None, :]
+        return
+    for m in members:
+        if isinstance(plan.schemes[m], W8A8):
+            smooth[m] = scale
+            get_module(model, m).weight.mul_(scale[None, :])
+
+
+def _input_rms(
+    stats: dict[str, ChannelStats], fqn: str, hessian: torch.Tensor | None, tokens: int
+) -> torch.Tensor:
+    if fqn in stats:
+        return stats[fqn].mean_sq.to(torch.float32).clamp_min(0).sqrt()
+    assert hessian is not None
+    return (torch.diag(hessian) / max(tokens, 1)).clamp_min(0).sqrt()
+
+
+def _quantize_group(
+    run: _Run,
+    group: InputGroup,
+    hessian: torch.Tensor | None,
+    smooth: dict[str, torch.Tensor],
+    info: dict[str, dict[str, Any]],
+) -> dict[str, QuantizedWeight]:
+    """Each planned member of one input group with GPTQ (sharing one prepared Hessian) or RTN."""
+    records: dict[str, QuantizedWeight] = {}
+    gptq = {
+        fqn
+        for fqn in group.members
+        if run.plan.algorithms.get(fqn) == "gptq"
+        and isinstance(run.plan.schemes.get(fqn), Int8 | Int4 | W8A8)
+    }
+    prepared = A.prepare_hessian(hessian, run.config.gptq) if gptq and hessian is not None else None
+    del hessian  # GPTQ needs only the prepared inverse factor: one K x K matrix alive, not two
+    for fqn in group.members:
+        scheme = run.plan.schemes.get(fqn)
+        if scheme is None:
+            continue
+        linear = get_module(run.lw.model, fqn)
+        assert isinstance(linear, nn.Linear), fqn
+        algorithm = run.plan.algorithms[fqn]
+        weight = linear.weight.detach().to(torch.float32)
+        if fqn in gptq and prepared is not None:
+            tensors = A.gptq(scheme, weight, prepared, run.config.gptq)
+        else:
+            tensors = A.rtn(scheme, weight)
+        if fqn in smooth:
+            tensors["smooth"] = smooth[fqn].to(torch.float32)
+        records[fqn] = QuantizedWeight(scheme, algorithm, tensors, _bias(linear), info.get(fqn, {}))
+        linear.weight.copy_(handler_for(scheme).dequantize(scheme, tensors).to(linear.weight.dtype))
+    return records
+
+
+def _finish_outside_blocks(
+    run: _Run,
+    writer: ArtifactWriter,
+    info: dict[str, dict[str, Any]],
+    hidden: list[torch.Tensor],
+    packs: list[Pack],
+    reference: list[torch.Tensor],
+    candidate: list[torch.Tensor],
+) -> PassResult:
+    """The weights outside the blocks: the LM head quantized only when an override asks (GPTQ on the final
+    normed hidden states, else RTN), everything else FP32; then the held-out final hidden states normed."""
+    lw, model = run.lw, run.lw.model
+    reference_head = candidate_head = lw.lm_head
+    quantized: dict[str, QuantizedWeight] = {}
+    for fqn, scheme in run.plan.quantized().items():
+        if fqn.startswith("model.layers."):
+            continue
+        linear = get_module(model, fqn)
+        assert isinstance(linear, nn.Linear), fqn
+        weight = linear.weight.detach().to(torch.float32)
+        algorithm = run.plan.algorithms[fqn]
+        if algorithm == "gptq" and isinstance(scheme, Int8 | Int4 | W8A8) and fqn == "lm_head":
+            with torch.inference_mode():
+                normed = [
+                    lw.norm(h)[0] * p.weights[:, None].sqrt() for h, p in zip(hidden, packs, strict=True)
+                ]
+            x = torch.cat(normed)
+            tensors = A.gptq(scheme, weight, x.t() @ x, run.config.gptq)
+        else:
+            tensors = A.rtn(scheme, weight)
+        quantized[fqn] = QuantizedWeight(scheme, algorithm, tensors, _bias(linear))
+    outside = {n: t for n, t in model.state_dict().items() if not n.startswith("model.layers.")}
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head" not in quantized:
+        outside.pop("lm_head.weight", None)  # stored once, as the embedding
+    owned = tuple(f"{fqn}." for fqn in quantized)
+    writer.add_fp({n: t for n, t in outside.items() if not n.startswith(owned)})
+    for fqn, record in quantized.items():
+        writer.add_quantized(fqn, record, run.plan.shapes[fqn])
+        module = install(model, fqn, record)
+        if fqn == "lm_head":
+            candidate_head = module
+    with torch.inference_mode():
+        reference = [lw.norm(h)[0] for h in reference]
+        candidate = [lw.norm(h)[0] for h in candidate]
+    return PassResult(info, reference, candidate, reference_head, candidate_head)
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach().to(torch.float32).clone()
