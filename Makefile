@@ -9,7 +9,7 @@ OUT    ?= out
 SHARED ?= $(abspath ..)/shared
 export QPACK_MMLU_DIR ?= $(SHARED)/data/mmlu
 
-.PHONY: setup demo test lint format clean
+.PHONY: setup demo test lint typecheck format clean
 
 $(STAMP): pyproject.toml Makefile
 	@command -v redis-server >/dev/null || { \
@@ -37,11 +37,14 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+typecheck: setup
+	$(BIN)/mypy
+
 format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint
+test: lint typecheck
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -67,9 +67,9 @@ def main() -> None:
                 seconds[dtype].append(time.perf_counter() - started)
                 quality = compare_hidden(packs, hidden, candidate, head, BlockRunner(model).lm_head)
                 rows[dtype] = {
-                    "kl": quality["kl"],
-                    "top1": quality["top1_agreement"],
-                    "ppl": quality["ppl"],
+                    "kl": quality.kl,
+                    "top1": quality.top1_agreement,
+                    "ppl": quality.ppl,
                     "numerics": numerics(model),
                 }
         for dtype, row in rows.items():

@@ -39,7 +39,8 @@ def compare(model_spec: str, calibration: Path) -> dict[str, Any]:
     from quantize.io.calibration import CalibrationData
     from quantize.model.sources import load_model, resolve_model
     from quantize.planning.build import _candidates
-    from quantize.sensitivity.measure import SensitivityConfig, measure_sensitivity
+    from quantize.sensitivity.measure import measure_sensitivity
+    from quantize.sensitivity.settings import SensitivityConfig
     from quantize.sequential.streamed import StreamedModel
 
     source = resolve_model(model_spec)
@@ -89,7 +90,7 @@ def _shape(model: Any, name: str) -> tuple[int, int]:
 def plans(calibration: Path, out: Path) -> dict[str, Any]:
     from quantize.config import QuantizeConfig
     from quantize.pipeline import quantize_model
-    from quantize.sensitivity.measure import SensitivityConfig
+    from quantize.sensitivity.settings import SensitivityConfig
 
     results = {}
     for method in ("kl", "fisher"):

@@ -134,13 +134,13 @@ def clean_samples(samples: list[Sample], counts: CleaningCounts) -> list[Sample]
     scrubbed: list[Sample] = []
     for sample in unique:
         total: Counter[str] = Counter()
-        messages = []
+        scrubbed_messages: list[Message] = []
         for message in sample.messages:
             text, found = scrub(message.content)
             total.update(found)
-            messages.append(Message(message.role, text))
+            scrubbed_messages.append(Message(message.role, text))
         if total:
             counts.pii_samples += 1
             counts.pii.update(total)
-        scrubbed.append(Sample(tuple(messages), sample.source))
+        scrubbed.append(Sample(tuple(scrubbed_messages), sample.source))
     return scrubbed

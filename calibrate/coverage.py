@@ -43,8 +43,11 @@ def js_divergence(p: Counter[Any], q: Counter[Any]) -> float:
 @dataclass(frozen=True)
 class CoverageThresholds:
     max_token_js: float = DEFAULT_MAX_TOKEN_JS
+    """Coverage warning: Jensen-Shannon divergence of token frequencies above this."""
     max_length_js: float = DEFAULT_MAX_LENGTH_JS
+    """Coverage warning: Jensen-Shannon divergence of length buckets above this."""
     min_token_coverage: float = DEFAULT_MIN_TOKEN_COVERAGE
+    """Coverage warning: share of the reference's tokens seen in calibration below this."""
 
 
 def compare(

@@ -9,7 +9,6 @@ renamed into place only when everything succeeded.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import time
@@ -17,13 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from calibrate.clean import TURNS, CleaningCounts, Sample, clean_samples, extract_samples
-from calibrate.coverage import CoverageThresholds, compare
+from calibrate.clean import CleaningCounts, Sample, clean_samples, extract_samples
+from calibrate.config import CalibrationConfig, CalibrationResult
+from calibrate.coverage import compare
 from calibrate.render import content_token_ids, has_chat_template, tokenize_samples
 from calibrate.sample import stratified_split
-from calibrate.sources import FORMATS, SourceReport, default_queries_path, read_source
+from calibrate.sources import SourceReport, default_queries_path, read_source
 from calibrate.stats import collect_stats
-from quantize.common.errors import QpackError
+from quantize.common.config import ConfigError, Problem
 from quantize.common.fileio import atomic_output_dir, check_output_dir, sha256_file, write_json
 from quantize.common.progress import NULL_PROGRESS, Progress
 from quantize.common.version import __version__
@@ -45,56 +45,6 @@ from quantize.model.sources import (
     weights_sha256,
 )
 from quantize.sequential.streamed import StreamedModel, check_memory
-
-
-@dataclass(frozen=True)
-class CalibrationConfig:
-    output: Path
-    model: str | None = None
-    queries: tuple[str, ...] = ()
-    format: str | None = None
-    field: str | None = None
-    turns: str = "first"
-    chat_template: bool = True
-    min_tokens: int = 4
-    max_tokens: int = 512
-    num_samples: int = 512
-    heldout_fraction: float = 0.1
-    seed: int = 0
-    reference: tuple[str, ...] = ()
-    coverage: CoverageThresholds = dataclasses.field(default_factory=CoverageThresholds)
-    keep_text: bool = False
-    max_memory: int | None = None  # bytes; None: from free RAM
-    overwrite: bool = False
-    token_budget: int = 4096
-
-    def validate(self) -> None:
-        problems: list[str] = []
-        if self.turns not in TURNS:
-            problems.append(f"--turns must be one of {', '.join(TURNS)} (got {self.turns!r})")
-        if self.format is not None and self.format not in FORMATS:
-            problems.append(f"--format must be one of {', '.join(FORMATS)} (got {self.format!r})")
-        if self.num_samples < 1:
-            problems.append(f"--num-samples must be at least 1 (got {self.num_samples})")
-        if not 0.0 <= self.heldout_fraction < 1.0:
-            problems.append(f"--heldout must be in [0, 1) (got {self.heldout_fraction})")
-        if self.min_tokens < 1:
-            problems.append(f"--min-tokens must be at least 1 (got {self.min_tokens})")
-        if self.max_tokens < self.min_tokens:
-            problems.append(f"--max-tokens ({self.max_tokens}) must be >= --min-tokens ({self.min_tokens})")
-        if self.token_budget < self.max_tokens:
-            problems.append(
-                f"--batch-tokens ({self.token_budget}) must be >= --max-tokens ({self.max_tokens})"
-            )
-        if problems:
-            raise QpackError("invalid calibration options: " + "; ".join(problems))
-
-
-@dataclass
-class CalibrationResult:
-    output: Path
-    manifest: dict[str, Any]
-    seconds: float
 
 
 def _length_stats(lengths: list[int]) -> dict[str, Any]:
@@ -209,9 +159,14 @@ def _check_inputs(config: CalibrationConfig) -> tuple[Path, tuple[str, ...]]:
     output = Path(config.output).expanduser().resolve()
     check_output_dir(output, config.overwrite, "calibration directory")
     queries = config.queries or (str(default_queries_path()),)
-    for raw in (*queries, *config.reference):
-        if not Path(raw).expanduser().exists():
-            raise QpackError(f"query file {raw} does not exist; check the --queries/--reference path")
+    missing = [
+        Problem(field, f"file {raw} does not exist; check the path")
+        for field, paths in (("queries", queries), ("reference", config.reference))
+        for raw in paths
+        if not Path(raw).expanduser().exists()
+    ]
+    if missing:
+        raise ConfigError("CalibrationConfig", missing)
     return output, queries
 
 
@@ -226,12 +181,13 @@ def _select(
         queries, config, tokenizer, use_template, progress
     )
     if not samples:
-        raise QpackError(
-            f"every query was filtered out ({counts.samples} samples: {counts.empty} empty, "
+        message = (
+            f"were all filtered out ({counts.samples} samples: {counts.empty} empty, "
             f"{counts.exact_duplicates + counts.normalized_duplicates} duplicates, {counts.too_short} shorter than "
-            f"--min-tokens {config.min_tokens}, {counts.too_long} longer than --max-tokens {config.max_tokens}); "
-            "relax the length limits or check --field/--turns"
+            f"`min_tokens` {config.min_tokens}, {counts.too_long} longer than `max_tokens` {config.max_tokens}); "
+            "relax the length limits or check `field` and `turns`"
         )
+        raise ConfigError("CalibrationConfig", [Problem("queries", message)])
     lengths = [len(ids) for ids in token_ids]
     split = stratified_split(lengths, config.num_samples, config.heldout_fraction, config.seed)
     train_ids = [token_ids[i] for i in split.train]
@@ -247,7 +203,8 @@ def _coverage(
         config.reference, config, tokenizer, use_template, progress
     )
     if not ref_samples:
-        raise QpackError("every reference query was filtered out; check --reference and the length limits")
+        message = "queries were all filtered out; check them and `min_tokens`/`max_tokens`"
+        raise ConfigError("CalibrationConfig", [Problem("reference", message)])
     train = selection.split.train
     coverage = compare(
         [len(selection.token_ids[i]) for i in train],

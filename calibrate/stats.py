@@ -53,7 +53,7 @@ def _hooks(block: nn.Module, prefix: str, accumulators: dict[str, _Accumulator])
     def reduced(x: torch.Tensor) -> Reduced:
         if x is not last["x"]:
             last["x"], last["reduced"] = x, _reduce(x)
-        return last["reduced"]  # type: ignore[no-any-return]
+        return last["reduced"]
 
     handles = []
     for name, module in block.named_modules():
@@ -76,29 +76,29 @@ def collect_stats(
 ) -> dict[str, ChannelStats]:
     """Per-channel abs-max and mean square of every linear's input over `sequences` (packed `token_budget`
     tokens to a row), one decoder block at a time."""
-    lw = BlockRunner(model)
+    blocks = BlockRunner(model)
     accumulators = {
         name: _Accumulator(int(module.in_features))
-        for name, module in lw.model.named_modules()
+        for name, module in blocks.model.named_modules()
         if isinstance(module, nn.Linear)
     }
     packs = make_packs([torch.tensor(s, dtype=torch.int64) for s in sequences], token_budget)
-    hidden = [lw.embed(p) for p in packs]
+    hidden = [blocks.embed(p) for p in packs]
     with (
-        progress.task("Activation statistics (block by block)", total=lw.num_layers) as task,
-        lw.without_outside(),
+        progress.task("Activation statistics (block by block)", total=blocks.num_layers) as task,
+        blocks.without_outside(),
     ):
-        for index in range(lw.num_layers):
-            with lw.block(index) as block:
+        for index in range(blocks.num_layers):
+            with blocks.block(index) as block:
                 handles = _hooks(block, f"model.layers.{index}.", accumulators)
                 try:
-                    hidden = [lw.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
+                    hidden = [blocks.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
                 finally:
                     for handle in handles:
                         handle.remove()
             task.advance()
-    head = next(n for n, m in lw.model.named_modules() if m is lw.lm_head)
+    head = next(n for n, m in blocks.model.named_modules() if m is blocks.lm_head)
     for h in hidden:
-        accumulators[head].update(_reduce(lw.norm(h)))
-    lw.forget_rope()
+        accumulators[head].update(_reduce(blocks.norm(h)))
+    blocks.forget_rope()
     return {name: acc.result() for name, acc in accumulators.items()}

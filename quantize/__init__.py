@@ -19,35 +19,70 @@ from quantize.common.lazy import lazy_exports
 from quantize.common.version import __version__
 
 if TYPE_CHECKING:
+    from quantize.algorithms.settings import AWQ, GPTQ, RTN, Algorithm, Auto, SmoothQuant
+    from quantize.common.config import ConfigError
     from quantize.common.errors import QpackError
     from quantize.config import QuantizeConfig, QuantizeResult
-    from quantize.formats.schemes import parse_scheme
+    from quantize.formats.schemes import BF16, FP16, W8A8, BnbInt8, BnbNF4, Int4, Int8, Scheme, parse_scheme
     from quantize.io.artifact import LoadedArtifact, load_artifact, read_manifest, verify_artifact
+    from quantize.io.exports import CompressedTensors
     from quantize.model.sources import load_model, load_tokenizer, resolve_model
     from quantize.pipeline import quantize_model
-    from quantize.planning.presets import PRESETS
+    from quantize.planning.presets import PRESETS, Preset
+    from quantize.quality import HeldoutQuality
+    from quantize.sensitivity.settings import SensitivityConfig
 
 _EXPORTS = {
     "QpackError": "quantize.common.errors",
+    "ConfigError": "quantize.common.config",
     "QuantizeConfig": "quantize.config",
     "QuantizeResult": "quantize.config",
     "quantize_model": "quantize.pipeline",
     "PRESETS": "quantize.planning.presets",
+    "Preset": "quantize.planning.presets",
+    "SensitivityConfig": "quantize.sensitivity.settings",
+    "CompressedTensors": "quantize.io.exports",
+    "HeldoutQuality": "quantize.quality",
+    **dict.fromkeys(
+        ("Scheme", "Int8", "Int4", "BF16", "FP16", "W8A8", "BnbInt8", "BnbNF4", "parse_scheme"),
+        "quantize.formats.schemes",
+    ),
+    **dict.fromkeys(
+        ("Algorithm", "Auto", "RTN", "GPTQ", "AWQ", "SmoothQuant"), "quantize.algorithms.settings"
+    ),
     "LoadedArtifact": "quantize.io.artifact",
     "load_artifact": "quantize.io.artifact",
     "read_manifest": "quantize.io.artifact",
     "verify_artifact": "quantize.io.artifact",
-    "parse_scheme": "quantize.formats.schemes",
     "resolve_model": "quantize.model.sources",
     "load_model": "quantize.model.sources",
     "load_tokenizer": "quantize.model.sources",
 }
 __all__ = [
+    "AWQ",
+    "BF16",
+    "FP16",
+    "GPTQ",
     "PRESETS",
+    "RTN",
+    "W8A8",
+    "Algorithm",
+    "Auto",
+    "BnbInt8",
+    "BnbNF4",
+    "CompressedTensors",
+    "ConfigError",
+    "HeldoutQuality",
+    "Int4",
+    "Int8",
     "LoadedArtifact",
+    "Preset",
     "QpackError",
     "QuantizeConfig",
     "QuantizeResult",
+    "Scheme",
+    "SensitivityConfig",
+    "SmoothQuant",
     "__version__",
     "load_artifact",
     "load_model",

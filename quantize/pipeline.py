@@ -8,7 +8,6 @@ write the artifact atomically."""
 
 from __future__ import annotations
 
-import dataclasses
 import resource
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from quantize.common.fileio import check_output_dir
 from quantize.common.progress import NULL_PROGRESS, Progress
 from quantize.config import QuantizeConfig, QuantizeResult
 from quantize.io.artifact import (
+    DEFAULT_SHARD_BYTES,
     ArtifactWriter,
     _complete_config,
     artifact_writer,
@@ -33,11 +33,12 @@ from quantize.io.calibration import CalibrationData
 from quantize.model.sources import ModelSource, load_model, resolve_model, weights_sha256
 from quantize.model.surgery import kept_module_names
 from quantize.planning.build import build_plan
-from quantize.planning.plan import Plan, PlanRules
-from quantize.quality import compare_hidden, eval_packs
+from quantize.planning.plan import Plan
+from quantize.quality import HeldoutQuality, compare_hidden, eval_packs
 from quantize.runtime.kernels import ops as kernels
 from quantize.sensitivity.table import SensitivityTable
 from quantize.sequential.apply import apply_plan
+from quantize.sequential.packing import sample_sequences
 from quantize.sequential.runner import BlockRunner
 from quantize.sequential.streamed import StreamedModel, check_memory
 
@@ -48,7 +49,7 @@ def _check_calibration_matches(source: ModelSource, calibration: CalibrationData
         raise QpackError(
             f"calibration {calibration.path} was built for model {calibration.manifest['model'].get('id')!r} "
             f"(weights {expected[:12]}), not {source.model_id!r} (weights {weights_sha[:12]}); "
-            "re-run qpack calibrate with this --model"
+            "re-run qpack calibrate for this model"
         )
 
 
@@ -91,21 +92,21 @@ def _quantize_and_measure(
     writer: ArtifactWriter,
     progress: Progress,
     timings: dict[str, float],
-) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+) -> tuple[dict[str, dict[str, Any]], HeldoutQuality]:
     """One pass over the blocks: quantize and write each, carrying held-out tokens through the FP32 and the
     quantized block; then KL, top-1 and perplexities of the two."""
     phase = time.perf_counter()
     packs = eval_packs(inputs.calibration, config.eval_tokens, config.seed)
-    lw = BlockRunner(inputs.streamed)
-    result = apply_plan(lw, plan, inputs.calibration, config, writer, packs, progress)
-    lw.forget_rope()
+    runner = BlockRunner(inputs.streamed)
+    calibration = sample_sequences(inputs.calibration.train, config.calib_tokens, config.seed)
+    result = apply_plan(runner, plan, inputs.calibration.stats, calibration, writer, packs, progress)
+    runner.forget_rope()
     timings["quantize"] = time.perf_counter() - phase
     phase = time.perf_counter()
     with progress.task("Measuring the artifact against FP32 on held-out tokens"):
         quality = compare_hidden(
             packs, result.reference, result.candidate, result.reference_head, result.candidate_head
         )
-    quality["numerics"] = {"prefill_dtype": "float32", "native_kernels": kernels.isa()}
     timings["evaluate"] = time.perf_counter() - phase
     return result.info, quality
 
@@ -116,14 +117,14 @@ def _manifest(
     info: dict[str, Any],
     module_info: dict[str, dict[str, Any]],
     table: SensitivityTable | None,
-    quality: dict[str, Any],
+    quality: HeldoutQuality,
     timings: dict[str, float],
     warnings: list[str],
 ) -> dict[str, Any]:
     """The manifest's provenance, plan and quality sections (the artifact writer adds files, sizes, hashes)."""
     source, calibration = inputs.source, inputs.calibration
     return {
-        "name": config.name or f"{source.model_id.rsplit('/', 1)[-1]}-{config.preset}",
+        "name": config.name or f"{source.model_id.rsplit('/', 1)[-1]}-{config.preset.name}",
         "version": config.version,
         "source": {
             "model_id": source.model_id,
@@ -144,12 +145,11 @@ def _manifest(
             ],
         },
         "quantization": {
-            "preset": config.preset,
+            "preset": config.preset.name,
             "plan_info": {k: v for k, v in info.items() if k != "summary"},
             "summary": info["summary"],
-            "overrides": PlanRules.parse(config.overrides).to_json(),
-            "gptq": dataclasses.asdict(config.gptq),
-            "awq": dataclasses.asdict(config.awq),
+            "overrides": config.rules().to_json(),
+            "algorithm": config.algorithm.to_json(),
             "calib_tokens": config.calib_tokens,
             "module_info": module_info,
             "warnings": warnings,
@@ -157,7 +157,11 @@ def _manifest(
         "sensitivity": None
         if table is None
         else {"method": table.method, "tokens": table.num_tokens, "rows": table.rows()},
-        "quality": quality,
+        "quality": {
+            **quality.to_json(),
+            "predicted_kl": info.get("predicted_kl"),
+            "numerics": {"prefill_dtype": "float32", "native_kernels": kernels.isa()},
+        },
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "memory": {
             "peak_blocks_materialized": inputs.streamed.peak_blocks,
@@ -197,9 +201,10 @@ def quantize_model(
     info["summary"] = plan.summary(kept_module_names(inputs.model))
     if on_plan is not None:
         on_plan(plan, info)
-    with artifact_writer(inputs.output, config.overwrite, config.max_shard_size) as writer:
+    with artifact_writer(
+        inputs.output, config.overwrite, config.max_shard_size or DEFAULT_SHARD_BYTES
+    ) as writer:
         module_info, quality = _quantize_and_measure(inputs, plan, config, writer, progress, timings)
-        quality["predicted_kl"] = info.get("predicted_kl")
         heatmap = heatmap_png(plan, table, candidates) if table is not None else heatmap_png(plan, None, [])
         phase = time.perf_counter()
         manifest = finish_artifact(
@@ -211,11 +216,6 @@ def quantize_model(
             heatmap=heatmap,
         )
     timings["save"] = time.perf_counter() - phase
-    if config.export == "compressed-tensors":
-        from quantize.io.compressed_tensors import export_compressed_tensors
-
-        output = inputs.output
-        manifest["export"] = export_compressed_tensors(
-            output, output.parent / f"{output.name}-compressed-tensors", config.overwrite
-        )
-    return QuantizeResult(inputs.output, manifest, plan, time.perf_counter() - started, warnings)
+    if config.export is not None:
+        manifest["export"] = config.export.write(inputs.output, config.overwrite)
+    return QuantizeResult(inputs.output, manifest, plan, quality, time.perf_counter() - started, warnings)

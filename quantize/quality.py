@@ -9,13 +9,31 @@ a 49k vocabulary), and logits of both sides are formed a chunk of positions at a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from quantize.common.config import fields_json
 from quantize.io.calibration import CalibrationData
 from quantize.sequential.packing import Pack, make_packs, next_token_targets, sample_sequences
 from quantize.sequential.runner import BlockRunner
+
+
+@dataclass(frozen=True)
+class HeldoutQuality:
+    """A model against its reference on held-out tokens."""
+
+    tokens: int
+    kl: float  # mean next-token KL(reference || model), nats
+    kl_p95: float
+    top1_agreement: float  # share of positions where both predict the same next token
+    ppl_reference: float
+    ppl: float
+
+    def to_json(self) -> dict[str, Any]:
+        return fields_json(self)
 
 
 def eval_packs(calibration: CalibrationData, tokens: int, seed: int) -> list[Pack]:
@@ -27,10 +45,10 @@ def eval_packs(calibration: CalibrationData, tokens: int, seed: int) -> list[Pac
 def reference_hidden(model: nn.Module, packs: list[Pack]) -> list[torch.Tensor]:
     """Final normed hidden states [tokens, hidden] of `model` on each pack, block by block (each block loaded
     once for all packs when the model is streamed)."""
-    lw = BlockRunner(model)
-    hidden = lw.run_blocks([lw.embed(p) for p in packs], packs)
-    out = [lw.norm(h)[0] for h in hidden]
-    lw.forget_rope()
+    blocks = BlockRunner(model)
+    hidden = blocks.run_blocks([blocks.embed(p) for p in packs], packs)
+    out = [blocks.norm(h)[0] for h in hidden]
+    blocks.forget_rope()
     return out
 
 
@@ -41,7 +59,7 @@ def compare_to_reference(
     reference: list[torch.Tensor],
     reference_head: nn.Module,
     chunk: int = 128,
-) -> dict[str, float]:
+) -> HeldoutQuality:
     """KL, top-1 agreement and perplexities of `model` against FP32 final hidden states on held-out packs."""
     candidate = reference_hidden(model, packs)
     return compare_hidden(packs, reference, candidate, reference_head, BlockRunner(model).lm_head, chunk)
@@ -55,7 +73,7 @@ def compare_hidden(
     reference_head: nn.Module,
     candidate_head: nn.Module,
     chunk: int = 128,
-) -> dict[str, float]:
+) -> HeldoutQuality:
     """KL, top-1 agreement and perplexities from the two models' final normed hidden states on held-out packs.
 
     Logits are formed `chunk` positions at a time (a 49k vocabulary at 512 positions is 100 MB per copy).
@@ -76,11 +94,11 @@ def compare_hidden(
             nll_q.append(-cand_logp.gather(1, idx)[:, 0][valid])
             del ref_logp, cand_logp
     kl_all, nll_r, nll_c = torch.cat(kl), torch.cat(nll_ref), torch.cat(nll_q)
-    return {
-        "tokens": int(kl_all.numel()),
-        "kl": float(kl_all.mean()),
-        "kl_p95": float(torch.quantile(kl_all, 0.95)),
-        "top1_agreement": float(torch.cat(top1).float().mean()),
-        "ppl_reference": float(math.exp(float(nll_r.mean()))),
-        "ppl": float(math.exp(float(nll_c.mean()))),
-    }
+    return HeldoutQuality(
+        tokens=int(kl_all.numel()),
+        kl=float(kl_all.mean()),
+        kl_p95=float(torch.quantile(kl_all, 0.95)),
+        top1_agreement=float(torch.cat(top1).float().mean()),
+        ppl_reference=float(math.exp(float(nll_r.mean()))),
+        ppl=float(math.exp(float(nll_c.mean()))),
+    )

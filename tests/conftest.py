@@ -6,6 +6,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,33 +19,46 @@ CHAT_TEMPLATE = (
 )
 
 
-def _save_tiny(path: Path, arch: str, tie: bool, seed: int) -> Path:
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **config: Any) -> Any:
+    """A tiny randomly initialised Llama or Qwen2 (eval mode): `TINY` with `config` changed or added."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    values = {**TINY, **config}
     if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
+        model = LlamaForCausalLM(LlamaConfig(**values))
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    model.eval()
-    model.save_pretrained(str(path))
+        model = Qwen2ForCausalLM(Qwen2Config(**values))
+    return model.eval()
+
+
+def save_with_stories_tokenizer(model: Any, path: Path, **save: Any) -> Path:
+    """`model` saved at `path` with the shared stories260k tokenizer (and a chat template)."""
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(str(path), **save)
     tokenizer = AutoTokenizer.from_pretrained(str(STORIES))
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(path))
     return path
+
+
+def _save_tiny(path: Path, arch: str, tie: bool, seed: int) -> Path:
+    return save_with_stories_tokenizer(tiny_model(arch, seed, tie_word_embeddings=tie), path)
 
 
 @pytest.fixture(scope="session")
@@ -156,15 +170,17 @@ def tiny_qwen2_artifact(tiny_qwen2_calibration: Path, tmp_path_factory: pytest.T
     """A Qwen2 (q/k/v biases, untied head) artifact mixing int8, int4, bf16 and a linear kept FP32."""
     from quantize.config import QuantizeConfig
     from quantize.pipeline import quantize_model
-    from quantize.sensitivity.measure import SensitivityConfig
+    from quantize.sensitivity.settings import SensitivityConfig
 
     out = tmp_path_factory.mktemp("qwen2-artifact") / "art"
-    overrides = (
-        "_default=int8",
-        "re:.*up_proj=int4-g32",
-        "re:.*v_proj=bf16",
-        "model.layers.1.mlp.down_proj=keep",
-    )
+    from quantize.formats.schemes import BF16, Int4, Int8
+
+    overrides = {
+        "_default": Int8(),
+        "re:.*up_proj": Int4(32),
+        "re:.*v_proj": BF16(),
+        "model.layers.1.mlp.down_proj": None,
+    }
     quantize_model(
         QuantizeConfig(
             output=out,
@@ -197,7 +213,7 @@ def kernel_path(request: pytest.FixtureRequest) -> Iterator[str]:
 @pytest.fixture(autouse=True)
 def _eval_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Reference-score caches go to a per-test folder, never into the user's cache."""
-    import evals.evaluate
+    import evals.pipeline
 
     folder = tmp_path_factory.mktemp("eval-cache")
-    monkeypatch.setattr(evals.evaluate, "cache_dir", lambda: folder)
+    monkeypatch.setattr(evals.pipeline, "cache_dir", lambda: folder)

@@ -1,9 +1,12 @@
-"""The rooms of the code base, checked: which package may import which, and how long a function may grow.
+"""The rooms of the code base, checked: which package may import which, that no two files import each other (even
+through others), which rooms of `quantize` a room may use, and how long a function may grow.
 
 The four libraries are siblings on the core: `calibrate`, `evals` and `serve` import only `quantize`, and
 `quantize` imports none of them. The application `qpack` (CLI, CI build, benchmarks) is the only package that
-imports several libraries; the scripts in `benchmarks/` sit on top of everything. Imports inside functions count
-(a lazy import is still a dependency). Run `pytest tests/test_layering.py -s` to print the import graph.
+imports several libraries; the scripts in `benchmarks/` sit on top of everything. Inside `quantize`, `common` is
+what everything may import and imports nothing else of ours; serving needs only `common`, `formats`, `runtime`,
+`io` and `model`, never the offline quantizer. Imports inside functions and under `TYPE_CHECKING` count (a lazy
+import is still a dependency). Run `pytest tests/test_layering.py -s` to print the import graph.
 """
 
 from __future__ import annotations
@@ -22,6 +25,13 @@ ALLOWED: dict[str, set[str]] = {
     "qpack": {"quantize", "calibrate", "evals", "serve"},
     "benchmarks": set(PACKAGES),
 }
+# Rooms of `quantize` a room may import, by the first part of the module path after `quantize.`.
+QUANTIZE_ROOMS: dict[str, set[str]] = {
+    "common": set(),
+    "formats": {"common"},
+    "runtime": {"common", "formats"},
+}
+SERVING_ROOMS = {"common", "formats", "runtime", "io", "model"}  # what `serve` may import of `quantize`
 MAX_FUNCTION_LINES = 80
 LONG_REASON = "Long because"  # a docstring that says why a function is longer than MAX_FUNCTION_LINES
 
@@ -73,6 +83,131 @@ def test_each_package_imports_only_what_its_room_allows() -> None:
         if target not in ALLOWED[room]
     ]
     assert not bad, f"imports outside the layering rules: {', '.join(bad)}\n{_render(graph)}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """{module: modules it imports} over the five packages, each import resolved to the module file it names
+    (`from a.b import c` is a.b.c where that is a module, else a.b)."""
+    files = {_module_name(p): p for room in PACKAGES for p in _sources(room)}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                found = resolve(target) if target.split(".")[0] in PACKAGES else None
+                if found and found != name:
+                    edges.add(found)
+        graph[name] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_files_import_each_other_even_through_others() -> None:
+    cycles = import_cycles(module_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_third_module() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "quantize" and len(parts) > 2 else None
+
+
+def test_quantize_rooms_import_only_what_they_may() -> None:
+    bad = []
+    for module, edges in module_graph().items():
+        room = _room(module)
+        allowed = QUANTIZE_ROOMS.get(room or "")
+        for target in edges:
+            used = _room(target)
+            if module.startswith("serve") and target.startswith("quantize") and used not in SERVING_ROOMS:
+                bad.append(f"{module} -> {target} (serving uses only {', '.join(sorted(SERVING_ROOMS))})")
+            if allowed is not None and target.startswith("quantize") and used != room and used not in allowed:
+                bad.append(
+                    f"{module} -> {target} (quantize.{room} may use {', '.join(sorted(allowed)) or 'nothing'})"
+                )
+    assert not bad, "; ".join(bad)
+
+
+def test_configs_import_without_torch() -> None:
+    """The configs every interface builds on (and `qpack --help` reads) are plain data: no torch behind them."""
+    import subprocess
+    import sys
+
+    configs = ["quantize.config", "calibrate.config", "evals.config", "serve.options"]
+    check = (
+        "import importlib, sys\n"
+        f"for name in {configs!r}: importlib.import_module(name)\n"
+        "heavy = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_the_checker_sees_lazy_imports(tmp_path: Path) -> None:

@@ -30,3 +30,32 @@ def test_every_name_the_readme_shows_is_exported() -> None:
         if name not in getattr(module, "__all__", ()) or not hasattr(module, name):
             missing.append(f"{package}.{name}")
     assert not missing, f"the README shows names its packages do not export: {', '.join(missing)}"
+
+
+def _type_checking_names(path: Path) -> set[str]:
+    import ast
+
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for statement in node.body:
+                if isinstance(statement, ast.ImportFrom):
+                    names.update(alias.asname or alias.name for alias in statement.names)
+    return names
+
+
+def test_each_librarys_lazy_exports_are_typed_and_resolve() -> None:
+    """`__all__`, the lazily imported names and the `TYPE_CHECKING` block a type checker reads agree, and every
+    name imports: a public name cannot be lazily exported but invisible to mypy, or typed but missing."""
+    for package in ("quantize", "calibrate", "evals", "serve"):
+        module = importlib.import_module(package)
+        exported = set(module.__all__) - {"__version__"}
+        typed = _type_checking_names(Path(module.__file__))
+        assert typed == exported, (
+            f"{package}: typed but not exported {typed - exported}, the reverse {exported - typed}"
+        )
+        submodules = {p.stem for p in Path(module.__file__).parent.iterdir() if p.suffix == ".py" or p.is_dir()}
+        shadowed = exported & submodules  # importing such a submodule would replace the name with the module
+        assert not shadowed, f"{package} exports names of its own submodules: {shadowed}"
+        for name in sorted(exported):
+            assert getattr(module, name) is not None, f"{package}.{name}"

@@ -44,12 +44,8 @@ MaxKL = Annotated[
 MaxFlipRate = Annotated[
     float | None, typer.Option("--max-flip-rate", help="Gate: fail if more answers flip (0-1).")
 ]
-MaxMemory = Annotated[
-    str | None,
-    typer.Option(
-        "--max-memory", help="Memory the run may use (8GB, 0.5 = half of what is free; default 90% of free)."
-    ),
-]
+MAX_MEMORY_HELP = "Memory the run may use (8GB, 0.5 = half of what is free; default 90% of free)."
+MaxMemory = Annotated[str | None, typer.Option("--max-memory", help=MAX_MEMORY_HELP)]
 
 # qpack quantize
 Calibration = Annotated[

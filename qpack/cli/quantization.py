@@ -3,6 +3,7 @@ plan and artifact tables."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -10,87 +11,170 @@ import typer
 
 from qpack.cli import options as opt
 from qpack.cli.app import app, memory_limit, output, run, sizes
+from qpack.cli.fields import Option, Options, choice
 from qpack.cli.render import artifact_table, inspect_table, plan_summary, plan_table
+from quantize.algorithms import AWQ, GPTQ, RTN, Algorithm, Auto, SmoothQuant
+from quantize.common.config import Problems, one_of
+from quantize.common.errors import QpackError
+from quantize.config import QuantizeConfig
+from quantize.formats.schemes import Int4, Scheme, parse_scheme
+from quantize.io.exports import CompressedTensors
+from quantize.planning.plan import PlanRules
+from quantize.planning.presets import PRESETS
+
+
+def _schemes(texts: list[str], group_size: int, problems: Problems) -> tuple[Scheme, ...]:
+    """--scheme values as schemes; a bare `int4` takes --group-size."""
+    schemes: list[Scheme] = []
+    for text in texts:
+        try:
+            scheme = parse_scheme(text)
+        except QpackError as error:
+            problems.add("schemes", error.message)
+            continue
+        if scheme is None:
+            problems.add("schemes", "fp32 is not a candidate (keep layers FP32 with --override)")
+        elif isinstance(scheme, Int4) and text.strip().lower() == "int4":
+            schemes.append(Int4(group_size=group_size))
+        else:
+            schemes.append(scheme)
+    return tuple(schemes)
+
+
+def _algorithm(values: dict[str, Any], problems: Problems) -> Algorithm | None:
+    gptq = GPTQ(damp=values["damp"], act_order=values["act_order"])
+    smoothquant = SmoothQuant(alpha=values["alpha"])
+    choices: dict[str, Algorithm] = {
+        "auto": Auto(gptq=gptq, smoothquant=smoothquant),
+        "rtn": RTN(),
+        "gptq": gptq,
+        "awq": AWQ(),
+        "smoothquant": smoothquant,
+    }
+    name = values["algorithm"]
+    problems.check(name in choices, "algorithm", one_of(name, choices))
+    return choices.get(name)
+
+
+def _build(values: dict[str, Any], problems: Problems) -> dict[str, Any]:
+    """The fields several options make: candidates with --group-size, the algorithm with its settings."""
+    group_size = values["group_size"]
+    problems.check(group_size in Int4.GROUP_SIZES, "group_size", one_of(group_size, Int4.GROUP_SIZES))
+    fields: dict[str, Any] = {"schemes": _schemes(values["scheme"], group_size, problems)}
+    preset = values.get("preset")
+    if preset is not None:
+        fields["preset"] = (
+            dataclasses.replace(preset, candidates=(Int4(group_size=group_size),))
+            if preset.name == "int4"
+            else preset
+        )
+    algorithm = _algorithm(values, problems)
+    if algorithm is not None:
+        fields["algorithm"] = algorithm
+    return fields
+
+
+QUANTIZE = Options(
+    QuantizeConfig,
+    [
+        Option("output", ("--output", "-o")),
+        Option("calibration", ("--calibration", "-c")),
+        Option("model", ("--model", "-m")),
+        "name",
+        "version",
+        Option("preset", ("--preset", "-p"), str, "mixed", choice(PRESETS, "preset"), name="preset"),
+        "target_bits",
+        "max_kl",
+        Option("", ("--scheme",), list[str], [], doc=(QuantizeConfig, "schemes"), name="scheme"),
+        Option(
+            "",
+            ("--group-size",),
+            int,
+            64,
+            help="int4 group size of the int4 preset and --scheme int4.",
+            name="group_size",
+        ),
+        Option(
+            "overrides",
+            ("--override",),
+            list[str],
+            [],
+            PlanRules.parse,
+            help="PATTERN=SCHEME, e.g. 're:.*down_proj=int8' (repeatable; fp32 keeps a layer FP32).",
+        ),
+        Option(
+            "",
+            ("--algorithm",),
+            str,
+            "auto",
+            help="auto (gptq for int8/int4, smoothquant for w8a8), rtn, gptq, awq or smoothquant.",
+            name="algorithm",
+        ),
+        Option("", ("--damp",), float, GPTQ.damp, doc=(GPTQ, "damp"), name="damp"),
+        Option(
+            "",
+            ("--act-order/--no-act-order",),
+            bool,
+            GPTQ.act_order,
+            doc=(GPTQ, "act_order"),
+            name="act_order",
+        ),
+        Option(
+            "", ("--smoothquant-alpha",), float, SmoothQuant.alpha, doc=(SmoothQuant, "alpha"), name="alpha"
+        ),
+        Option("sensitivity.method", ("--sensitivity",)),
+        Option("sensitivity.budget_minutes", ("--sensitivity-budget",)),
+        Option("sensitivity.num_tokens", ("--sensitivity-tokens",)),
+        "calib_tokens",
+        "eval_tokens",
+        Option(
+            "export",
+            ("--export",),
+            str | None,
+            None,
+            choice({"compressed-tensors": CompressedTensors()}, "export"),
+            doc=(QuantizeConfig, "export"),
+        ),
+        Option("seed", also=("sensitivity.seed",)),
+        Option(
+            "max_shard_size", ("--max-shard-size",), str, "2GB", lambda text: sizes(text, "--max-shard-size")
+        ),
+        Option("max_memory", ("--max-memory",), str | None, None, memory_limit, help=opt.MAX_MEMORY_HELP),
+        "overwrite",
+    ],
+    "quantize",
+    build=_build,
+    names={
+        "schemes": "--scheme",
+        "group_size": "--group-size",
+        "algorithm": "--algorithm",
+        "algorithm.damp": "--damp",
+        "algorithm.gptq.damp": "--damp",
+        "algorithm.act_order": "--act-order",
+        "algorithm.alpha": "--smoothquant-alpha",
+        "algorithm.smoothquant.alpha": "--smoothquant-alpha",
+    },
+)
 
 
 @app.command(help="Quantize a model with layer-wise mixed precision into a versioned artifact.")
-def quantize(
-    ctx: typer.Context,
-    calibration: opt.Calibration,
-    out_dir: Path = typer.Option(..., "--output", "-o", help="Artifact directory to write."),
-    model: opt.ModelSpec = None,
-    name: opt.Name = None,
-    version: opt.Version = "1",
-    preset: opt.Preset = "mixed",
-    target_bits: opt.TargetBits = None,
-    max_kl: opt.MaxKLBudget = None,
-    schemes: opt.Schemes = [],  # noqa: B006 - typer copies list defaults
-    group_size: opt.GroupSize = 64,
-    override: opt.Overrides = [],  # noqa: B006
-    algorithm: opt.Algorithm = "auto",
-    sensitivity: opt.Sensitivity = "auto",
-    sensitivity_budget: opt.SensitivityBudget = 10.0,
-    sensitivity_tokens: opt.SensitivityTokens = 256,
-    calib_tokens: opt.CalibTokens = 4096,
-    eval_tokens: opt.EvalTokens = 2048,
-    act_order: opt.ActOrder = True,
-    damp: opt.Damp = 0.01,
-    smoothquant_alpha: opt.SmoothQuantAlpha = 0.5,
-    export: opt.Export = None,
-    seed: int = typer.Option(0, "--seed", help="Seed for token sampling."),
-    max_shard_size: opt.MaxShardSize = "2GB",
-    max_memory: opt.MaxMemory = None,
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact."),
-) -> None:
-    from quantize.algorithms import GPTQConfig
-    from quantize.config import QuantizeConfig
+@QUANTIZE.command
+def quantize(ctx: typer.Context, **values: Any) -> None:
     from quantize.pipeline import quantize_model
-    from quantize.sensitivity.measure import SensitivityConfig
 
     out = output(ctx)
-    config = QuantizeConfig(
-        output=out_dir,
-        calibration=calibration,
-        model=model,
-        name=name,
-        version=version,
-        preset=preset,
-        target_bits=target_bits,
-        max_kl=max_kl,
-        schemes=tuple(schemes),
-        group_size=group_size,
-        overrides=tuple(override),
-        algorithm=algorithm,
-        gptq=GPTQConfig(damp=damp, act_order=act_order),
-        smoothquant_alpha=smoothquant_alpha,
-        sensitivity=SensitivityConfig(
-            method=sensitivity, num_tokens=sensitivity_tokens, seed=seed, budget_minutes=sensitivity_budget
-        ),
-        calib_tokens=calib_tokens,
-        eval_tokens=eval_tokens,
-        export=export,
-        overwrite=overwrite,
-        seed=seed,
-        max_shard_size=run(out, lambda: sizes(max_shard_size, "--max-shard-size")),
-        max_memory=run(out, lambda: memory_limit(max_memory)),
-    )
+    config = run(out, lambda: QUANTIZE.config(values))
 
     def on_plan(plan: Any, info: dict[str, Any]) -> None:
         if not out.quiet and not out.json_mode:
             out.stderr.print(plan_table(plan))
             out.stderr.print(plan_summary(plan, info))
 
-    result = run(out, lambda: quantize_model(config, out.progress(), on_plan))
+    result = run(out, lambda: QUANTIZE.translated(lambda: quantize_model(config, out.progress(), on_plan)))
     for warning in result.warnings:
         out.warn(warning)
-    manifest = result.manifest
-    data = {
-        "ok": True,
-        "output": str(result.output),
-        "seconds": round(result.seconds, 2),
-        "manifest": manifest,
-    }
-    out.result(data, artifact_table(manifest, result.output, result.seconds))
+    data = {"ok": True, **result.to_json()}
+    out.result(data, artifact_table(result.manifest, result.output, result.seconds))
 
 
 @app.command(help="Print an artifact's manifest: plan, sizes, quality, evals; verify its hashes.")

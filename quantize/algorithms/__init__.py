@@ -1,4 +1,5 @@
-"""How weights are chosen for a scheme: one module per method, each pure functions of tensors.
+"""How weights are chosen for a scheme: the methods' settings as data (`settings`, importable without torch) and
+one module per method's math, each pure functions of tensors.
 
 A weight `[N, K]`, the Hessian proxy `H = X^T X` of the layer's inputs over the calibration tokens, and per-channel
 activation statistics in; stored tensors (or a per-channel scale to fold) out. The block-by-block pass that
@@ -8,26 +9,60 @@ collects `H`, folds scales into the model and stores the results is `quantize.se
 - `gptq`: error feedback through the inverse Hessian, one column at a time.
 - `awq`: activation-aware per-channel scales, searched on the output error.
 - `smoothquant`: activation outliers migrated into the weights, for int8 activations.
+
+The settings classes are imported here directly; the math functions on first use, so importing this package (as
+every config does) does not import torch.
 """
 
 from __future__ import annotations
 
-from quantize.algorithms.awq import AWQConfig, awq_search
-from quantize.algorithms.gptq import GPTQConfig, PreparedHessian, gptq, prepare_hessian
-from quantize.algorithms.rtn import fake_quant, rtn
-from quantize.algorithms.smoothquant import smoothquant_factor
+from typing import TYPE_CHECKING
 
-ALGORITHMS: tuple[str, ...] = ("rtn", "gptq", "awq", "smoothquant")
+from quantize.algorithms.settings import (
+    ALGORITHMS,
+    AWQ,
+    GPTQ,
+    RTN,
+    Algorithm,
+    Auto,
+    SmoothQuant,
+    algorithm_for,
+)
+from quantize.common.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from quantize.algorithms.awq import awq_search
+    from quantize.algorithms.gptq import PreparedHessian, prepare_hessian, quantize_gptq
+    from quantize.algorithms.rtn import fake_quant, quantize_rtn
+    from quantize.algorithms.smoothquant import smoothquant_factor
 
 __all__ = [
     "ALGORITHMS",
-    "AWQConfig",
-    "GPTQConfig",
+    "AWQ",
+    "GPTQ",
+    "RTN",
+    "Algorithm",
+    "Auto",
     "PreparedHessian",
+    "SmoothQuant",
+    "algorithm_for",
     "awq_search",
     "fake_quant",
-    "gptq",
     "prepare_hessian",
-    "rtn",
+    "quantize_gptq",
+    "quantize_rtn",
     "smoothquant_factor",
 ]
+
+__getattr__ = lazy_exports(
+    "quantize.algorithms",
+    {
+        "awq_search": "quantize.algorithms.awq",
+        "PreparedHessian": "quantize.algorithms.gptq",
+        "quantize_gptq": "quantize.algorithms.gptq",
+        "prepare_hessian": "quantize.algorithms.gptq",
+        "fake_quant": "quantize.algorithms.rtn",
+        "quantize_rtn": "quantize.algorithms.rtn",
+        "smoothquant_factor": "quantize.algorithms.smoothquant",
+    },
+)

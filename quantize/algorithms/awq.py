@@ -8,18 +8,13 @@ worse than RTN on that objective."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from quantize.algorithms.rtn import fake_quant
+from quantize.algorithms.settings import AWQ
 from quantize.formats.primitives import output_error
 from quantize.formats.schemes import Scheme
-
-
-@dataclass(frozen=True)
-class AWQConfig:
-    grid: int = 20
 
 
 def awq_search(
@@ -27,7 +22,7 @@ def awq_search(
     schemes: list[Scheme | None],
     hessian: torch.Tensor,
     act_rms: torch.Tensor,
-    config: AWQConfig = AWQConfig(),
+    config: AWQ = AWQ(),
 ) -> tuple[torch.Tensor, float]:
     """Best per-input-channel scale for a group of linears sharing one input.
 

@@ -15,18 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from quantize.algorithms.rtn import rtn
+from quantize.algorithms.rtn import quantize_rtn
+from quantize.algorithms.settings import GPTQ
 from quantize.common.errors import QpackError
 from quantize.formats import primitives as P
-from quantize.formats.handlers import Int4Handler
 from quantize.formats.schemes import W8A8, Int4, Int8, Scheme
-
-
-@dataclass(frozen=True)
-class GPTQConfig:
-    damp: float = 0.01
-    block_size: int = 128
-    act_order: bool = True
+from quantize.runtime.handlers import Int4Handler
 
 
 def _inverse_hessian_cholesky(build: Callable[[], torch.Tensor], damp: float) -> torch.Tensor:
@@ -64,7 +58,7 @@ class PreparedHessian:
     h_inv: torch.Tensor  # [K, K] upper Cholesky of the damped inverse, in `perm` order
 
 
-def prepare_hessian(hessian: torch.Tensor, config: GPTQConfig = GPTQConfig()) -> PreparedHessian:
+def prepare_hessian(hessian: torch.Tensor, config: GPTQ = GPTQ()) -> PreparedHessian:
     diagonal = torch.diag(hessian).to(torch.float32)
     dead = diagonal == 0
     k = hessian.shape[0]
@@ -113,6 +107,7 @@ def _quantize_columns(
     return codes, errors
 
 
+_quantize_columns_fast: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 try:  # TorchScript runs the per-column loop ~3x faster than the Python interpreter
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -121,11 +116,11 @@ except Exception:  # pragma: no cover - scripting unavailable in this torch buil
     _quantize_columns_fast = _quantize_columns
 
 
-def gptq(
+def quantize_gptq(
     scheme: Scheme,
     weight: torch.Tensor,
     hessian: torch.Tensor | PreparedHessian,
-    config: GPTQConfig = GPTQConfig(),
+    config: GPTQ = GPTQ(),
 ) -> dict[str, torch.Tensor]:
     """GPTQ for int8 (per-channel) and int4 (per-group) weights.
 
@@ -133,7 +128,7 @@ def gptq(
     -> stored tensors of `scheme`.
     """
     if not isinstance(scheme, Int8 | Int4 | W8A8):
-        return rtn(scheme, weight)
+        return quantize_rtn(scheme, weight)
     prepared = hessian if isinstance(hessian, PreparedHessian) else prepare_hessian(hessian, config)
     w = weight.detach().to(torch.float32).clone()
     n, k = w.shape

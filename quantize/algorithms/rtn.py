@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from quantize.formats.handlers import handler_for
 from quantize.formats.schemes import Scheme
+from quantize.runtime.handlers import handler_for
 
 
-def rtn(scheme: Scheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+def quantize_rtn(scheme: Scheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """weight [N, K] float -> `scheme`'s stored tensors, each weight rounded to the nearest grid point."""
     return handler_for(scheme).quantize(scheme, weight)
 
 

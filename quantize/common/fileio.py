@@ -48,10 +48,6 @@ def sha256_files(paths: list[Path], root: Path | None = None) -> str:
     return digest.hexdigest()
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def umask() -> int:
     """The process umask (read without changing it where /proc allows)."""
     try:
@@ -98,7 +94,7 @@ def check_output_dir(path: Path, overwrite: bool, what: str) -> None:
     """Refuse to clobber an existing output unless asked, before any work is done."""
     if path.exists() and not overwrite:
         raise QpackError(
-            f"{what} {path} already exists; pass --overwrite to replace it or choose another path"
+            f"{what} {path} already exists; set `overwrite` to replace it or choose another path"
         )
     if path.exists() and not path.is_dir():
         raise QpackError(f"{what} {path} exists and is not a directory; remove it or choose another path")

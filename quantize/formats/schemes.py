@@ -1,9 +1,11 @@
 """Quantization schemes: frozen dataclasses, a registry keyed by a type tag, JSON with a version.
 
 A scheme says *what* a layer is stored as (int8 per channel, int4 per group, ...). How the weights are chosen
-(RTN, GPTQ, AWQ, SmoothQuant) is the algorithm, and how they are executed is the scheme's handler in
-`quantize.runtime.modules`. Keeping schemes as plain data lets plans, sensitivity caches and artifact manifests
-round-trip through JSON, and new schemes register themselves instead of growing `if mode == ...` chains.
+(RTN, GPTQ, AWQ, SmoothQuant) is the algorithm (`quantize.algorithms`); the scheme's stored tensors and how they
+become a runtime module are its handler's (`quantize.runtime.handlers`), and what that module computes with is
+`quantize.runtime.modules`. Keeping schemes as plain data (no torch) lets plans, sensitivity caches and artifact
+manifests round-trip through JSON and configs name them anywhere, and new schemes register themselves instead of
+growing `if mode == ...` chains.
 """
 
 from __future__ import annotations
@@ -11,19 +13,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from quantize.common.errors import QpackError
+from quantize.common.registry import Registry
 
-SCHEMES: dict[str, type[Scheme]] = {}
-S = TypeVar("S", bound="Scheme")
-
-
-def register_scheme(cls: type[S]) -> type[S]:
-    if cls.type in SCHEMES:
-        raise RuntimeError(f"scheme type {cls.type!r} registered twice")
-    SCHEMES[cls.type] = cls
-    return cls
+SCHEMES: Registry[Scheme] = Registry("scheme type", lambda cls: cls.type)
+register_scheme = SCHEMES.register
 
 
 @dataclass(frozen=True)
@@ -52,16 +48,13 @@ class Scheme:
     @staticmethod
     def from_json(data: dict[str, Any]) -> Scheme:
         kind = data.get("type")
-        cls = SCHEMES.get(str(kind))
-        if cls is None:
-            raise QpackError(f"unknown scheme type {kind!r}; known: {', '.join(SCHEMES)}")
+        cls = SCHEMES.class_of(kind)
         if data.get("version", 1) > cls.version:
             raise QpackError(
                 f"scheme {kind!r} version {data.get('version')} is newer than this qpack supports ({cls.version}); "
                 "upgrade qpack"
             )
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return SCHEMES.build(kind, data)
 
 
 @register_scheme

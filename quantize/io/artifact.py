@@ -12,6 +12,8 @@ Layout (format_version 2; version 1, a single `model.safetensors`, still loads):
   manifest hash and summary), the per-module plan (scheme + algorithm), the sensitivity table, size stats,
   measured quality, the sha256 of every other file, and an `evals` section `qpack evaluate` fills in.
 - `sensitivity.png`: the layer x scheme sensitivity heatmap and the chosen plan.
+- `evals/<run>/`: the reports of the latest `qpack evaluate`, listed and hashed in the manifest like every file
+  (the manifest's `evals.mmlu.report_dir` names the folder). `.manifest.lock`: the lock `update_manifest` takes.
 
 Only safetensors and JSON are ever read: a directory containing pickle-like files is refused, and every
 listed file's hash must match before anything is loaded. Writes are atomic (temp dir, then rename).
@@ -19,6 +21,7 @@ listed file's hash must match before anything is loaded. Writes are atomic (temp
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -28,7 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -36,12 +39,10 @@ from torch import nn
 from quantize.common.errors import QpackError
 from quantize.common.fileio import atomic_output_dir, read_json, sha256_file, write_json
 from quantize.common.version import __version__
-from quantize.formats.schemes import Scheme
 from quantize.io.tensorfile import read_safetensors
 from quantize.model.sources import tokenizer_class, tokenizer_files
 from quantize.model.surgery import QuantizedWeight, install
 from quantize.planning.plan import Plan
-from quantize.runtime.modules import QuantLinear
 
 FORMAT = "qpack.artifact"
 FORMAT_VERSION = 2
@@ -50,25 +51,10 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 10**9
 MANIFEST_FILE = "manifest.json"
+LOCK_FILE = ".manifest.lock"
 HEATMAP_FILE = "sensitivity.png"
 _SOURCE_FILES = ("config.json", "generation_config.json")
 _FORBIDDEN_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".npy", ".npz", ".joblib")
-
-
-def fp_state_dict(model: nn.Module, quantized: set[str]) -> dict[str, torch.Tensor]:
-    """Every persistent floating-point tensor not owned by a quantized linear, tied weights stored once."""
-    tensors: dict[str, torch.Tensor] = {}
-    seen: dict[int, str] = {}
-    prefixes = tuple(f"{fqn}." for fqn in quantized)
-    for name, tensor in model.state_dict().items():
-        if name.startswith(prefixes):
-            continue
-        key = tensor.untyped_storage().data_ptr()
-        if key in seen and tensor.numel() > 0:
-            continue
-        seen[key] = name
-        tensors[name] = tensor.detach().to(torch.float32).contiguous()
-    return tensors
 
 
 class ArtifactWriter:
@@ -156,7 +142,7 @@ def _complete_config(model: nn.Module) -> dict[str, Any]:
     """The model's config as transformers read it (every default filled in, RoPE parameters in the current
     `rope_parameters` form), so that an artifact's config.json alone describes the model: the serving skeleton
     reads it without transformers' config classes."""
-    config: dict[str, Any] = json.loads(model.config.to_json_string(use_diff=False))  # type: ignore[operator]
+    config: dict[str, Any] = json.loads(cast(Any, model).config.to_json_string(use_diff=False))
     return config
 
 
@@ -212,29 +198,6 @@ def finish_artifact(
     }
     write_json(tmp / MANIFEST_FILE, manifest)
     return manifest
-
-
-def save_artifact(
-    output: Path,
-    *,
-    model: nn.Module,
-    plan: Plan,
-    records: dict[str, QuantizedWeight],
-    source_dir: Path,
-    manifest: dict[str, Any],
-    heatmap: bytes | None = None,
-    overwrite: bool = False,
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-) -> dict[str, Any]:
-    """Write a whole in-memory model's artifact atomically; returns the manifest as written."""
-    with artifact_writer(output, overwrite, max_shard_bytes) as writer:
-        writer.add_fp(fp_state_dict(model, set(records)))
-        for fqn, record in records.items():
-            writer.add_quantized(fqn, record, plan.shapes[fqn])
-        config = _complete_config(model)
-        return finish_artifact(
-            writer, config=config, plan=plan, source_dir=source_dir, manifest=manifest, heatmap=heatmap
-        )
 
 
 def content_sha256(manifest: dict[str, Any]) -> str:
@@ -357,10 +320,10 @@ def load_artifact(
     if pending:
         owners = sorted({_quantized_owner(k, plan) or k for k in pending})
         raise QpackError(f"artifact {root} lacks tensors of {', '.join(owners[:3])}; rebuild the artifact")
-    rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=model.config).to(device)  # type: ignore[operator]
-    if getattr(model.config, "tie_word_embeddings", False) and isinstance(model.lm_head, nn.Linear):
-        model.lm_head.weight = model.model.embed_tokens.weight
+    tree: Any = model  # a Llama-family tree: its modules by name
+    tree.model.rotary_emb = type(tree.model.rotary_emb)(config=tree.config).to(device)
+    if getattr(tree.config, "tie_word_embeddings", False) and isinstance(tree.lm_head, nn.Linear):
+        tree.lm_head.weight = tree.model.embed_tokens.weight
     leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if leftover:
         raise QpackError(f"artifact {root} does not provide {', '.join(leftover[:5])}; rebuild it")
@@ -410,23 +373,42 @@ def _install_ready(
         tensors = {n: pending.pop(f"{fqn}.{n}") for n in names}
         bias = pending.pop(f"{fqn}.bias", None)
         record = QuantizedWeight(
-            scheme=scheme, algorithm=plan.algorithms.get(fqn, "rtn"), tensors=tensors, bias=bias
+            scheme=scheme,
+            algorithm=plan.algorithms[fqn].name if fqn in plan.algorithms else "rtn",
+            tensors=tensors,
+            bias=bias,
         )
         install(model, fqn, record, device)
 
 
-def update_manifest(path: Path, updates: dict[str, Any]) -> dict[str, Any]:
-    """Merge `updates` into the manifest (e.g. `evals`) atomically; file hashes are re-verified first."""
+@dataclass
+class ManifestUpdate:
+    """An artifact's manifest as read under its lock; `commit` replaces it (temp file + rename: all or nothing)."""
+
+    root: Path
+    manifest: dict[str, Any]
+
+    def commit(self, manifest: dict[str, Any]) -> None:
+        write_json(self.root / MANIFEST_FILE, manifest)
+        self.manifest = manifest
+
+
+@contextmanager
+def update_manifest(path: Path) -> Iterator[ManifestUpdate]:
+    """The one way to change a written artifact's manifest: read it under the artifact's exclusive lock (flock on
+    ROOT/.manifest.lock, held for the whole block), commit the new one. Concurrent updates (two `qpack evaluate`
+    runs) are thereby serialized, so none is lost, and files the block writes or removes beside the manifest are
+    never seen half-done by another update."""
     root = Path(path).expanduser()
-    manifest = verify_artifact(root)
-    for key, value in updates.items():
-        if isinstance(value, dict) and isinstance(manifest.get(key), dict):
-            manifest[key] = {**manifest[key], **value}
-        else:
-            manifest[key] = value
-    write_json(root / MANIFEST_FILE, manifest)
-    return manifest
-
-
-def quantized_modules(model: nn.Module) -> dict[str, Scheme]:
-    return {name: m.scheme for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    read_manifest(root)
+    try:
+        lock = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as error:
+        raise QpackError(
+            f"cannot lock artifact {root} for writing ({error.strerror}); check its permissions"
+        ) from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield ManifestUpdate(root, read_manifest(root))
+    finally:
+        os.close(lock)

@@ -89,6 +89,3 @@ class Checkpoint:
         except (OSError, ValueError) as exc:
             raise QpackError(f"{self.what} {ref.path} is unreadable at {name} ({exc}); {self.fix}") from None
         return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
-
-    def read_many(self, names: Iterable[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        return {name: self.read(name, dtype) for name in names}

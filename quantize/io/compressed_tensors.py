@@ -22,10 +22,10 @@ import torch
 
 from quantize.common.errors import QpackError
 from quantize.common.fileio import atomic_output_dir, read_json, write_json
-from quantize.formats.handlers import handler_for
 from quantize.formats.schemes import BF16, FP16, FP32, W8A8, Int4, Int8, Scheme
 from quantize.io.artifact import INDEX_FILE, MANIFEST_FILE, read_manifest, verify_artifact, weight_files
 from quantize.planning.plan import Plan
+from quantize.runtime.handlers import handler_for
 
 
 def _ct() -> Any:

@@ -13,6 +13,7 @@ tiling the data section without gaps or overlaps) and every problem is reported 
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -159,16 +160,16 @@ def index_safetensors(path: str | os.PathLike[str], what: str, fix: str) -> tupl
         return _header(handle, path.stat().st_size)
 
 
-def read_entry(handle: BinaryIO, start: int, name: str, entry: Entry) -> torch.Tensor:
+def read_entry(handle: BinaryIO | io.BufferedReader, start: int, name: str, entry: Entry) -> torch.Tensor:
     """One tensor of an open safetensors file, read into a fresh aligned allocation in its stored dtype."""
     dtype, shape, begin, end = entry
     tensor = torch.empty(shape, dtype=dtype)
     if end > begin:
         handle.seek(start + begin)
-        view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+        view = memoryview(tensor.view(-1).view(torch.uint8).numpy().data)
         done = 0
         while done < end - begin:
-            got = handle.readinto(view[done:])
+            got = handle.readinto(view[done:])  # type: ignore[union-attr]  # every handle here is a buffered file
             if not got:
                 raise ValueError(f"the file ends inside tensor {name}")
             done += got

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from quantize.common.cache import cache_dir
 from quantize.common.errors import QpackError
 from quantize.common.fileio import (
     discard_partial,
@@ -97,16 +98,6 @@ class ModelSource:
         data = read_json(self.path / "config.json", "model config")
         assert isinstance(data, dict)
         return data
-
-
-def cache_dir() -> Path:
-    """The user cache dir for converted models (`QPACK_CACHE_DIR` overrides it)."""
-    override = os.environ.get("QPACK_CACHE_DIR")
-    if override:
-        return Path(override).expanduser()
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("qpack"))
 
 
 def check_architecture(config: dict[str, Any], where: str) -> tuple[str, str]:
@@ -372,9 +363,10 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
 
     quiet_transformers()
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
             str(source.path), dtype=dtype or torch.float32, use_safetensors=True, output_loading_info=True
         )
+        model, info = loaded
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise QpackError(

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantize.formats.handlers import handler_for
 from quantize.formats.schemes import Scheme
+from quantize.runtime.handlers import handler_for
 from quantize.runtime.modules import QuantLinear
 
 
@@ -47,6 +47,13 @@ def get_module(model: nn.Module, fqn: str) -> nn.Module:
     return model.get_submodule(fqn)
 
 
+def get_linear(model: nn.Module, fqn: str) -> nn.Linear:
+    """The float linear at `fqn` (an internal invariant: the planner only plans linears)."""
+    module = model.get_submodule(fqn)
+    assert isinstance(module, nn.Linear), f"{fqn} is {type(module).__name__}, not a float linear"
+    return module
+
+
 def set_module(model: nn.Module, fqn: str, module: nn.Module) -> None:
     parent_name, _, child = fqn.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -74,10 +81,12 @@ def kept_module_names(model: nn.Module) -> list[str]:
 
 
 def input_groups(model: nn.Module) -> list[InputGroup]:
-    config = model.config  # type: ignore[attr-defined]
+    """The input groups of every decoder block of a Llama-family model (its modules reached by name)."""
+    tree: Any = model
+    config = tree.config
     mha = config.num_attention_heads == getattr(config, "num_key_value_heads", config.num_attention_heads)
     groups: list[InputGroup] = []
-    for index in range(len(model.model.layers)):  # type: ignore[attr-defined]
+    for index in range(len(tree.model.layers)):
         p = f"model.layers.{index}"
         groups += [
             InputGroup(
@@ -111,12 +120,11 @@ def fold_input_scale(model: nn.Module, group: InputGroup, scale: torch.Tensor) -
         if predecessor.bias is not None:
             predecessor.bias.div_(s.to(predecessor.bias.dtype))
     else:
-        weight = predecessor.weight  # type: ignore[union-attr]
+        weight = predecessor.weight
         assert isinstance(weight, torch.Tensor) and weight.shape == s.shape, (group, weight.shape)
         weight.div_(s.to(weight.dtype))
     for fqn in group.members:
-        linear = get_module(model, fqn)
-        assert isinstance(linear, nn.Linear), fqn
+        linear = get_linear(model, fqn)
         linear.weight.mul_(s[None, :].to(linear.weight.dtype))
 
 

@@ -11,40 +11,19 @@ from typing import Any
 
 from torch import nn
 
-from quantize.common.errors import QpackError
+from quantize.algorithms import algorithm_for
+from quantize.common.config import ConfigError, Problem
 from quantize.common.memory import available_memory
 from quantize.common.progress import Progress
 from quantize.config import QuantizeConfig
-from quantize.formats.schemes import Int4, Int8, Scheme, parse_scheme
+from quantize.formats.schemes import Int8, Scheme
 from quantize.io.calibration import CalibrationData
 from quantize.model.surgery import linear_shapes
-from quantize.planning.knapsack import Option, solve
-from quantize.planning.plan import EMBEDDING_NAMES, Plan, PlanRules, is_decoder_linear
-from quantize.planning.presets import DEFAULT_ALGORITHMS, PRESETS
+from quantize.planning.knapsack import Infeasible, Option, solve
+from quantize.planning.plan import EMBEDDING_NAMES, Plan, is_decoder_linear
 from quantize.sensitivity.measure import measure_sensitivity
 from quantize.sensitivity.table import SensitivityTable
 from quantize.sequential.streamed import StreamedModel
-
-
-def _candidates(config: QuantizeConfig) -> list[Scheme]:
-    preset = PRESETS[config.preset]
-    texts = config.schemes or preset.candidates
-    schemes: list[Scheme] = []
-    for text in texts:
-        scheme = parse_scheme(text)
-        assert scheme is not None
-        if isinstance(scheme, Int4) and text.strip().lower() == "int4":
-            scheme = Int4(group_size=config.group_size)
-        if scheme not in schemes:
-            schemes.append(scheme)
-    return schemes
-
-
-def _algorithm_for(scheme: Scheme, requested: str) -> str:
-    if requested != "auto" and requested in scheme.algorithms:
-        return requested
-    default = DEFAULT_ALGORITHMS.get(scheme.type, "rtn")
-    return default if default in scheme.algorithms else "rtn"
 
 
 def build_plan(
@@ -62,15 +41,18 @@ def build_plan(
     A size budget below what the candidates can reach is refused before any sensitivity is measured."""
     shapes = linear_shapes(model)
     plan, free = _apply_rules(config, shapes, warnings)
-    candidates = _candidates(config)
+    candidates = config.candidates()
     per_layer = _layer_candidates(free, shapes, candidates, warnings)
-    target_bits = config.target_bits if config.target_bits is not None else PRESETS[config.preset].target_bits
+    target_bits = config.resolved_target_bits()
     info: dict[str, Any] = {"candidates": [s.label() for s in candidates], "target_bits": target_bits}
     table: SensitivityTable | None = None
     if all(len(v) == 1 for v in per_layer.values()) or (target_bits is None and config.max_kl is None):
         for fqn in free:
-            plan.schemes[fqn] = min(per_layer[fqn], key=lambda s, f=fqn: s.bits_per_weight(*shapes[f]))
-            plan.sources[fqn] = f"preset {config.preset}"
+            in_features, out_features = shapes[fqn]
+            plan.schemes[fqn] = min(
+                per_layer[fqn], key=lambda s: s.bits_per_weight(in_features, out_features)
+            )
+            plan.sources[fqn] = f"preset {config.preset.name}"
         info["planner"] = "uniform"
     else:
         if config.max_kl is None:
@@ -92,7 +74,7 @@ def build_plan(
         _solve_budget(config, plan, per_layer, table, target_bits, info)
     for fqn, scheme in plan.schemes.items():
         if scheme is not None:
-            plan.algorithms[fqn] = _algorithm_for(scheme, config.algorithm)
+            plan.algorithms[fqn] = algorithm_for(scheme, config.algorithm)
     plan.validate()
     return plan, table, candidates, info
 
@@ -101,17 +83,29 @@ def _apply_rules(
     config: QuantizeConfig, shapes: dict[str, tuple[int, int]], warnings: list[str]
 ) -> tuple[Plan, list[str]]:
     """The plan with every override applied and the head kept; the decoder linears left for the planner."""
-    rules = PlanRules.parse(config.overrides)
+    rules = config.rules()
     unmatched = rules.unmatched_patterns(shapes)
     embedding_hits = [p for p in unmatched if any(e in p for e in EMBEDDING_NAMES)]
     if embedding_hits:
-        raise QpackError(
-            f"--override {', '.join(embedding_hits)}: embeddings are not linears and always stay FP32"
+        raise ConfigError(
+            "QuantizeConfig",
+            [
+                Problem(
+                    "overrides",
+                    f"{', '.join(embedding_hits)}: embeddings are not linears and always stay FP32",
+                )
+            ],
         )
     if unmatched:
-        raise QpackError(
-            f"--override pattern(s) {', '.join(unmatched)} match no linear layer of this model "
-            "(names look like model.layers.0.mlp.down_proj; prefix regexes with re:)"
+        raise ConfigError(
+            "QuantizeConfig",
+            [
+                Problem(
+                    "overrides",
+                    f"pattern(s) {', '.join(unmatched)} match no linear layer of this model (names look like "
+                    "model.layers.0.mlp.down_proj; prefix regexes with re:)",
+                )
+            ],
         )
     plan = Plan(shapes=shapes)
     free: list[str] = []
@@ -121,7 +115,9 @@ def _apply_rules(
             plan.schemes[fqn] = scheme
             plan.sources[fqn] = f"override {rule}"
             if not is_decoder_linear(fqn) and scheme is not None:
-                warnings.append(f"{fqn} forced to {scheme.label()} by --override; it is normally kept FP32")
+                warnings.append(
+                    f"{fqn} forced to {scheme.label()} by override {rule!r}; it is normally kept FP32"
+                )
         elif is_decoder_linear(fqn):
             free.append(fqn)
         else:
@@ -172,7 +168,7 @@ def _reachable_target(
     warnings: list[str],
 ) -> float:
     """The size budget in bits per weight, checked against the range the candidates can reach (which depends
-    on layer shapes only): an explicit --target-bits below it is an error, a preset's budget is raised to it."""
+    on layer shapes only): an explicit `target_bits` below it is an error, a preset's budget is raised to it."""
     fixed_bits, fixed_weights = _fixed_bits(plan)
     total = fixed_weights + sum(_weights(plan.shapes[f]) for f in per_layer)
     cheapest = {f: min(s.bits_per_weight(*plan.shapes[f]) for s in v) for f, v in per_layer.items()}
@@ -182,13 +178,14 @@ def _reachable_target(
     if target_bits >= floor:
         return target_bits
     if config.target_bits is not None:
-        raise QpackError(
-            f"size budget impossible: --target-bits {target_bits} is below the {floor:.3f} bits per weight these "
-            f"layers need with the cheapest candidate schemes (reachable: {floor:.3f} to {ceiling:.3f}); raise "
-            "--target-bits or add cheaper --scheme candidates"
+        message = (
+            f"{target_bits} is an impossible size budget: these layers need at least {floor:.3f} bits per weight with "
+            f"the cheapest candidate schemes (reachable: {floor:.3f} to {ceiling:.3f}); raise it or add cheaper "
+            "candidate schemes"
         )
+        raise ConfigError("QuantizeConfig", [Problem("target_bits", message)])
     warnings.append(
-        f"the {config.preset} preset's {target_bits}-bit budget is below this model's floor of "
+        f"the {config.preset.name} preset's {target_bits}-bit budget is below this model's floor of "
         f"{floor:.3f} bits (some layers cannot use the cheapest scheme); using {floor:.3f}"
     )
     return floor
@@ -202,7 +199,7 @@ def _solve_budget(
     target_bits: float | None,
     info: dict[str, Any],
 ) -> None:
-    """Each free layer's scheme from the exact knapsack over measured sensitivity, under --max-kl (fewest bits)
+    """Each free layer's scheme from the exact knapsack over measured sensitivity, under `max_kl` (fewest bits)
     or the size budget (least predicted KL)."""
     layers = {
         fqn: [
@@ -213,13 +210,17 @@ def _solve_budget(
         ]
         for fqn, schemes in per_layer.items()
     }
-    if config.max_kl is not None:
-        chosen, predicted = solve(layers, max_kl=config.max_kl)
-    else:
-        assert target_bits is not None
-        fixed_bits, fixed_weights = _fixed_bits(plan)
-        total = fixed_weights + sum(_weights(plan.shapes[f]) for f in per_layer)
-        chosen, predicted = solve(layers, budget_bits=target_bits * total - fixed_bits + 1e-6)
+    try:
+        if config.max_kl is not None:
+            chosen, predicted = solve(layers, max_kl=config.max_kl)
+        else:
+            assert target_bits is not None
+            fixed_bits, fixed_weights = _fixed_bits(plan)
+            total = fixed_weights + sum(_weights(plan.shapes[f]) for f in per_layer)
+            chosen, predicted = solve(layers, budget_bits=target_bits * total - fixed_bits + 1e-6)
+    except Infeasible as error:
+        field = "max_kl" if config.max_kl is not None else "target_bits"
+        raise ConfigError("QuantizeConfig", [Problem(field, str(error))]) from None
     for fqn, option in chosen.items():
         plan.schemes[fqn] = option.scheme
         plan.sources[fqn] = "planner"

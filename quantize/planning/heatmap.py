@@ -69,8 +69,8 @@ def heatmap_png(plan: Plan, table: SensitivityTable | None, candidates: list[Sch
         for j, n in enumerate(names):
             fqn = by_position.get((b, n))
             if fqn is not None:
-                scheme = plan.schemes[fqn]
-                chosen[i, j] = codes[scheme.label() if scheme else "fp32"]
+                kept = plan.schemes[fqn]
+                chosen[i, j] = codes[kept.label() if kept else "fp32"]
     ax = axes[0][-1]
     cmap = plt.get_cmap("tab10", max(len(labels), 1))
     ax.imshow(chosen, aspect="auto", cmap=cmap, vmin=-0.5, vmax=len(labels) - 0.5)

@@ -9,7 +9,7 @@ per saved bit" is optimal only on the convex hull of each layer's options and ca
 layer's upgrade does not fit; with ~200 layers and a few options each, the DP over a cost axis discretised into
 `resolution` steps is a few million vectorised operations (milliseconds). Costs are rounded *up* to a step,
 so the plan never exceeds the budget; the only approximation is that rounding, at most one step per layer.
-`--max-kl` uses the same table: the cheapest cost whose minimal KL is within the limit.
+A KL budget (`max_kl`) uses the same table: the cheapest cost whose minimal KL is within the limit.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from quantize.common.errors import QpackError
 from quantize.formats.schemes import Scheme
 
 
@@ -30,10 +29,8 @@ class Option:
     kl: float  # predicted KL contribution
 
 
-@dataclass(frozen=True)
-class Choice:
-    fqn: str
-    option: Option
+class Infeasible(ValueError):
+    """No choice of options meets the budget; the message says by how much and what to change."""
 
 
 def solve(
@@ -52,16 +49,16 @@ def solve(
     names = list(layers)
     if not names:
         return {}, 0.0
-    for name in names:
-        if not layers[name]:
-            raise QpackError(f"layer {name} has no candidate scheme; add one or override it")
+    missing = [name for name in names if not layers[name]]
+    if missing:
+        raise ValueError(f"layers without a candidate option: {', '.join(missing)}")
     floor = {n: min(o.bits for o in layers[n]) for n in names}
     min_cost = sum(floor.values())
     max_extra = sum(max(o.bits for o in layers[n]) - floor[n] for n in names)
     if budget_bits is not None and budget_bits < min_cost * (1 - 1e-9):
-        raise QpackError(
-            f"size budget impossible: these layers need at least {min_cost / 8 / 2**20:.3f} MiB with the cheapest "
-            f"candidates, the budget allows {budget_bits / 8 / 2**20:.3f} MiB; raise --target-bits"
+        raise Infeasible(
+            f"is an impossible size budget: these layers need at least {min_cost / 8 / 2**20:.3f} MiB with the "
+            f"cheapest candidates, the budget allows {budget_bits / 8 / 2**20:.3f} MiB; raise it"
         )
     # Costs are measured above each layer's cheapest option, so the all-cheapest plan costs exactly 0 and is
     # always representable; rounding only touches upgrades.
@@ -90,15 +87,15 @@ def solve(
     if budget_bits is not None:
         end = size - 1
         if not np.isfinite(dp[end]):
-            raise QpackError("size budget impossible after rounding; raise --target-bits slightly")
+            raise Infeasible("is an impossible size budget after rounding; raise it slightly")
     else:
         assert max_kl is not None
         feasible = np.nonzero(dp <= max_kl)[0]
         if feasible.size == 0:
             best_kl = float(np.min(dp))
-            raise QpackError(
-                f"KL budget impossible: even the most precise candidates predict KL {best_kl:.4g} > --max-kl "
-                f"{max_kl}; raise --max-kl or add a more precise scheme (e.g. bf16)"
+            raise Infeasible(
+                f"{max_kl} is an impossible KL budget: even the most precise candidates predict KL {best_kl:.4g}; "
+                "raise it or add a more precise candidate scheme (e.g. bf16)"
             )
         end = int(feasible[0])
     total = float(dp[end])

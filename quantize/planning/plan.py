@@ -10,10 +10,11 @@ is touched, so the plan can be validated (every offending layer reported at once
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from quantize.algorithms.settings import Algorithm
 from quantize.common.errors import QpackError
 from quantize.formats.schemes import Scheme, parse_scheme
 
@@ -38,6 +39,17 @@ def short_name(fqn: str) -> str:
     return fqn.rsplit(".", 1)[-1]
 
 
+def _regex_error(pattern: str) -> str | None:
+    """Why a `re:` pattern does not compile (None for a valid one or a plain name)."""
+    if not pattern.startswith(REGEX_PREFIX):
+        return None
+    try:
+        re.compile(pattern[len(REGEX_PREFIX) :])
+    except re.error as exc:
+        return str(exc)
+    return None
+
+
 @dataclass(frozen=True)
 class PlanRules:
     """Ordered rules; a rule's scheme `None` means "keep this module unquantized (FP32)"."""
@@ -45,29 +57,41 @@ class PlanRules:
     rules: tuple[tuple[str, Scheme | None], ...] = ()
 
     @classmethod
-    def parse(cls, items: Iterable[str]) -> PlanRules:
-        """Parse `PATTERN=SCHEME` strings, reporting every bad item at once."""
-        rules: list[tuple[str, Scheme | None]] = []
+    def of(cls, rules: Mapping[str, Scheme | None]) -> PlanRules:
+        """Rules from an ordered {pattern: scheme} map; ValueError naming every bad pattern at once."""
+        problems = []
+        for pattern, scheme in rules.items():
+            if not isinstance(pattern, str) or not pattern.strip():
+                problems.append(f"{pattern!r} is not a module name or re: pattern")
+            elif (error := _regex_error(pattern)) is not None:
+                problems.append(f"{pattern!r}: bad regex ({error})")
+            if scheme is not None and not isinstance(scheme, Scheme):
+                problems.append(f"{pattern!r}: {scheme!r} is not a scheme (e.g. Int8()) or None (keep FP32)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return cls(tuple(rules.items()))
+
+    @staticmethod
+    def parse(items: Iterable[str]) -> dict[str, Scheme | None]:
+        """`PATTERN=SCHEME` strings (`--override re:.*down_proj=int8`) as the ordered map `of` takes,
+        reporting every bad item at once."""
+        rules: dict[str, Scheme | None] = {}
         problems: list[str] = []
         for item in items:
             pattern, sep, scheme_text = item.partition("=")
             pattern = pattern.strip()
             if not sep or not pattern or not scheme_text.strip():
                 problems.append(f"{item!r} is not PATTERN=SCHEME")
-                continue
-            if pattern.startswith(REGEX_PREFIX):
+            elif (error := _regex_error(pattern)) is not None:
+                problems.append(f"{item!r}: bad regex ({error})")
+            else:
                 try:
-                    re.compile(pattern[len(REGEX_PREFIX) :])
-                except re.error as exc:
-                    problems.append(f"{item!r}: bad regex ({exc})")
-                    continue
-            try:
-                rules.append((pattern, parse_scheme(scheme_text)))
-            except QpackError as exc:
-                problems.append(f"{item!r}: {exc}")
+                    rules[pattern] = parse_scheme(scheme_text)
+                except QpackError as exc:
+                    problems.append(f"{item!r}: {exc}")
         if problems:
             raise QpackError("invalid --override: " + "; ".join(problems))
-        return cls(tuple(rules))
+        return rules
 
     def lookup(self, fqn: str, use_default: bool = True) -> tuple[bool, Scheme | None, str]:
         """(matched, scheme, rule) for one module: exact name > first matching regex > `_default`.
@@ -110,7 +134,7 @@ class Plan:
 
     shapes: dict[str, tuple[int, int]]
     schemes: dict[str, Scheme | None] = field(default_factory=dict)
-    algorithms: dict[str, str] = field(default_factory=dict)
+    algorithms: dict[str, Algorithm] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     def quantized(self) -> dict[str, Scheme]:
@@ -157,7 +181,7 @@ class Plan:
         return {
             fqn: {
                 "scheme": None if scheme is None else scheme.to_json(),
-                "algorithm": self.algorithms.get(fqn),
+                "algorithm": self.algorithms[fqn].name if fqn in self.algorithms else None,
                 "source": self.sources.get(fqn, ""),
                 "in_features": self.shapes[fqn][0],
                 "out_features": self.shapes[fqn][1],
@@ -171,6 +195,6 @@ class Plan:
         for fqn, value in data.items():
             plan.schemes[fqn] = None if value["scheme"] is None else Scheme.from_json(value["scheme"])
             if value.get("algorithm"):
-                plan.algorithms[fqn] = value["algorithm"]
+                plan.algorithms[fqn] = Algorithm.from_json({"name": value["algorithm"]})
             plan.sources[fqn] = value.get("source", "")
         return plan

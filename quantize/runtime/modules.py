@@ -1,6 +1,6 @@
 """Runtime modules of quantized linears: what each can do lives on its class.
 
-A handler (`quantize.formats.handlers`) turns a scheme's stored tensors into one of these modules; from then on the
+A handler (`quantize.runtime.handlers`) turns a scheme's stored tensors into one of these modules; from then on the
 model, the serving runner and the benchmarks ask the module itself:
 - `forward`: same call signature as `nn.Linear` (x [..., in] -> [..., out]), executing the packed weights with
   qpack's native kernels or torch's rather than dequantize-then-matmul;
@@ -44,6 +44,7 @@ from torch import nn
 from quantize.formats import primitives as P
 from quantize.formats.schemes import Int4, Scheme
 from quantize.runtime.kernels import ops as kernels
+from quantize.runtime.precision import PREFILL_DTYPE_NAMES
 
 
 class QuantLinear(nn.Module):
@@ -119,41 +120,43 @@ def fuse_linears(modules: list[nn.Module]) -> nn.Module | None:
     The originals are re-pointed at row slices of the fused storage (where the layout is row-major), so fusing
     costs no memory and the model's own modules still compute what they did.
     """
-    kinds = {type(m) for m in modules}
-    if len(kinds) != 1 or len(modules) < 2 or len({int(m.in_features) for m in modules}) != 1:  # type: ignore[arg-type]
+    linears: list[Any] = list(modules)  # nn.Linear or one QuantLinear class: in/out_features, row tensors
+    kinds = {type(m) for m in linears}
+    if len(kinds) != 1 or len(linears) < 2 or len({int(m.in_features) for m in linears}) != 1:
         return None
     kind = kinds.pop()
+    fused: nn.Module | None
+    rows: tuple[str, ...]
     if kind is nn.Linear:
-        fused: nn.Module | None = _fuse_float(modules)
-        rows: tuple[str, ...] = ("weight",)
+        fused, rows = _fuse_float(linears), ("weight",)
     elif issubclass(kind, QuantLinear):
-        fused, rows = kind.fuse(modules), kind.row_tensors
+        fused, rows = kind.fuse(linears), kind.row_tensors
     else:
         return None
     if fused is not None:
-        _share_rows(fused, modules, rows)
+        _share_rows(fused, linears, rows)
         if isinstance(fused, QuantLinear):
-            fused.prefill_dtype = modules[0].prefill_dtype
+            fused.prefill_dtype = linears[0].prefill_dtype
     return fused
 
 
-def _fuse_float(modules: list[nn.Module]) -> nn.Linear:
+def _fuse_float(modules: list[nn.Linear]) -> nn.Linear:
     first = modules[0]
     bias = _cat_bias(modules)
     fused = nn.Linear(
-        int(first.in_features),  # type: ignore[arg-type]
-        sum(int(m.out_features) for m in modules),  # type: ignore[misc]
+        first.in_features,
+        sum(m.out_features for m in modules),
         bias=bias is not None,
-        device=first.weight.device,  # type: ignore[arg-type]
+        device=first.weight.device,
     )
-    fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in modules]), requires_grad=False)  # type: ignore[misc]
+    fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in modules]), requires_grad=False)
     if bias is not None:
         fused.bias = nn.Parameter(bias, requires_grad=False)
     return fused
 
 
-def _cat_bias(modules: list[nn.Module]) -> torch.Tensor | None:
-    biases = [getattr(m, "bias", None) for m in modules]
+def _cat_bias(modules: list[Any]) -> torch.Tensor | None:
+    biases: list[torch.Tensor | None] = [getattr(m, "bias", None) for m in modules]
     present = [b for b in biases if b is not None]
     if not present:
         return None
@@ -161,17 +164,17 @@ def _cat_bias(modules: list[nn.Module]) -> torch.Tensor | None:
         [
             b.detach().to(torch.float32)
             if b is not None
-            else torch.zeros(int(m.out_features), device=present[0].device)  # type: ignore[arg-type]
+            else torch.zeros(int(m.out_features), device=present[0].device)
             for b, m in zip(biases, modules, strict=True)
         ]
     )
 
 
-def _share_rows(fused: nn.Module, modules: list[nn.Module], names: tuple[str, ...]) -> None:
+def _share_rows(fused: nn.Module, modules: list[Any], names: tuple[str, ...]) -> None:
     """Point each original module's row-major tensors at its rows of the fused module's tensors."""
     start = 0
     for module in modules:
-        end = start + int(module.out_features)  # type: ignore[arg-type]
+        end = start + int(module.out_features)
         for name in names:
             mine, theirs = getattr(module, name, None), getattr(fused, name, None)
             if not isinstance(mine, torch.Tensor) or not isinstance(theirs, torch.Tensor):
@@ -188,12 +191,7 @@ def _share_rows(fused: nn.Module, modules: list[nn.Module], names: tuple[str, ..
 
 _SCRATCH = threading.local()
 
-# The precisions a prefill-sized GEMM of an int8/int4 linear may run in (its weight dequantized for the call,
-# then one dense GEMM). float32 is the default on every CPU, so a result never depends on which CPU computed it;
-# bfloat16 (activations and dequantized weights, float32 accumulation in oneDNN) only when asked: on CPUs with
-# AMX-BF16 or AVX512-BF16 it prefills faster at a measured KL cost (benchmarks/dense_precision.py), elsewhere it
-# runs emulated, slower, with the same numerics.
-PREFILL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PREFILL_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in PREFILL_DTYPE_NAMES}
 
 
 def parse_prefill_dtype(name: str) -> torch.dtype:

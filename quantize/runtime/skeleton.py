@@ -68,7 +68,7 @@ class SkeletonConfig(SimpleNamespace, RotaryEmbeddingConfigMixin):
         if problems:
             raise QpackError(f"config {where} cannot be served: {'; '.join(problems)}; rebuild the artifact")
         config = cls(**data)
-        config.standardize_rope_params()
+        config.standardize_rope_params()  # type: ignore[misc]  # the mixin needs only the attributes it reads
         if getattr(config, "num_key_value_heads", None) is None:
             config.num_key_value_heads = config.num_attention_heads
         if getattr(config, "head_dim", None) is None:

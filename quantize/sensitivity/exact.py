@@ -17,11 +17,11 @@ from torch import nn
 
 from quantize.algorithms.rtn import fake_quant
 from quantize.common.progress import Progress
-from quantize.formats.handlers import handler_for
 from quantize.formats.primitives import output_error
 from quantize.formats.schemes import Scheme
-from quantize.model.surgery import get_module, input_groups, set_module
+from quantize.model.surgery import get_linear, get_module, input_groups, set_module
 from quantize.planning.plan import block_index
+from quantize.runtime.handlers import handler_for
 from quantize.sensitivity.table import SensitivityTable
 from quantize.sequential.packing import Pack
 from quantize.sequential.runner import BlockRunner, input_hessians, iter_chunks
@@ -88,7 +88,7 @@ def kl_to_reference(
 
 
 def measure_exact(
-    lw: BlockRunner,
+    runner: BlockRunner,
     todo: dict[str, list[Scheme]],
     measure: dict[str, list[Scheme]],
     packs: list[Pack],
@@ -96,36 +96,36 @@ def measure_exact(
     progress: Progress,
 ) -> None:
     """Output error for every candidate in `todo`, exact KL for those in `measure`, block by block."""
-    head = lw.lm_head
+    head = runner.lm_head
     blocks = sorted({block_index(f) for f in todo})
     block_inputs: dict[int, list[torch.Tensor]] = defaultdict(list)
     with (
-        progress.task("Sensitivity: FP32 reference pass", total=lw.num_layers) as task,
+        progress.task("Sensitivity: FP32 reference pass", total=runner.num_layers) as task,
         torch.inference_mode(),
     ):
-        hidden = [lw.embed(p) for p in packs]
-        for index in range(lw.num_layers):
+        hidden = [runner.embed(p) for p in packs]
+        for index in range(runner.num_layers):
             if index in blocks:
                 block_inputs[index] = hidden
-            with lw.block(index):
-                hidden = [lw.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
+            with runner.block(index):
+                hidden = [runner.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
             task.advance()
-        reference = [reference_logits(head, lw.norm(h)[0]) for h in hidden]
+        reference = [reference_logits(head, runner.norm(h)[0]) for h in hidden]
     num_measured = sum(len(v) for v in measure.values())
     with progress.task(
         f"Sensitivity: {num_measured} exact KL + {sum(len(v) for v in todo.values())} output errors",
         total=len(blocks),
     ) as task:
         for index in blocks:
-            with lw.block(index):
-                _measure_block(lw, index, todo, measure, packs, block_inputs[index], reference, table)
+            with runner.block(index):
+                _measure_block(runner, index, todo, measure, packs, block_inputs[index], reference, table)
             del block_inputs[index]
             task.advance()
-    lw.forget_rope()
+    runner.forget_rope()
 
 
 def _measure_block(
-    lw: BlockRunner,
+    runner: BlockRunner,
     index: int,
     todo: dict[str, list[Scheme]],
     measure: dict[str, list[Scheme]],
@@ -135,15 +135,15 @@ def _measure_block(
     table: SensitivityTable,
 ) -> None:
     """One block's candidates: output errors from its input Hessians, then exact KL of the measured ones."""
-    model = lw.model
+    model = runner.model
     fqns = [f for f in todo if block_index(f) == index]
     groups = {m: g.name for g in input_groups(model) if g.block == index for m in g.members}
     heads = {g.name: get_module(model, g.members[0]) for g in input_groups(model) if g.block == index}
     hessians = input_hessians(
-        lw, index, heads, inputs, packs
+        runner, index, heads, inputs, packs
     )  # one per input: q/k/v and gate/up share theirs
     for fqn in fqns:
-        weight = get_module(model, fqn).weight.detach().to(torch.float32)  # type: ignore[union-attr]
+        weight = get_linear(model, fqn).weight.detach().to(torch.float32)
         hessian = hessians[groups[fqn]]
         signal = max(float(output_error(weight, hessian)), 1e-30)
         for scheme in todo[fqn]:
@@ -152,11 +152,11 @@ def _measure_block(
     del hessians
     candidates = [(f, s) for f in fqns for s in measure.get(f, [])]
     if candidates:
-        _exact_kl(lw, index, candidates, packs, inputs, reference, table)
+        _exact_kl(runner, index, candidates, packs, inputs, reference, table)
 
 
 def _exact_kl(
-    lw: BlockRunner,
+    runner: BlockRunner,
     index: int,
     candidates: list[tuple[str, Scheme]],
     packs: list[Pack],
@@ -165,11 +165,10 @@ def _exact_kl(
     table: SensitivityTable,
 ) -> None:
     """KL from FP32 with each candidate alone in place, re-running the tail (all candidates as one batch)."""
-    model, head = lw.model, lw.lm_head
+    model, head = runner.model, runner.lm_head
     modules = []
     for fqn, scheme in candidates:
-        original = get_module(model, fqn)
-        assert isinstance(original, nn.Linear), fqn
+        original = get_linear(model, fqn)
         modules.append((fqn, original, _runtime(scheme, original)))
     totals = [0.0] * len(candidates)
     count = 0.0
@@ -178,10 +177,10 @@ def _exact_kl(
         for fqn, original, runtime in modules:
             set_module(model, fqn, runtime)
             try:
-                outputs.append(lw.run_block(index, inputs[pack_index], pack))
+                outputs.append(runner.run_block(index, inputs[pack_index], pack))
             finally:
                 set_module(model, fqn, original)
-        normed = lw.run_from(index + 1, torch.cat(outputs, dim=0), pack)
+        normed = runner.run_from(index + 1, torch.cat(outputs, dim=0), pack)
         for row in range(len(candidates)):
             kl = kl_to_reference(head, reference[pack_index], normed[row])
             totals[row] += float((kl * pack.weights).sum())

@@ -33,12 +33,13 @@ from torch import nn
 from quantize.algorithms import fake_quant
 from quantize.common.progress import NULL_PROGRESS, Progress
 from quantize.formats.schemes import Scheme
+from quantize.model.surgery import get_linear
 from quantize.sequential.packing import Pack
 from quantize.sequential.runner import BlockRunner
 
 
 def fisher_kl(
-    lw: BlockRunner,
+    blocks: BlockRunner,
     candidates: dict[str, list[Scheme]],
     packs: list[Pack],
     samples: int = 4,
@@ -52,21 +53,21 @@ def fisher_kl(
         raise ValueError("fisher_kl needs packs without a shared prefix")
     totals = {fqn: [0.0] * len(schemes) for fqn, schemes in candidates.items()}
     generator = torch.Generator().manual_seed(seed)
-    inputs = _forward(lw, packs, progress)  # inputs[b][p]: block b's input on pack p
-    grads = [_head_gradient(lw, h, samples, generator) for h in inputs[lw.num_layers]]
+    inputs = _forward(blocks, packs, progress)  # inputs[b][p]: block b's input on pack p
+    grads = [_head_gradient(blocks, h, samples, generator) for h in inputs[blocks.num_layers]]
     with (
-        progress.task("Sensitivity (Fisher): backward pass", total=lw.num_layers) as task,
-        lw.without_outside(),
+        progress.task("Sensitivity (Fisher): backward pass", total=blocks.num_layers) as task,
+        blocks.without_outside(),
     ):
-        for index in reversed(range(lw.num_layers)):
+        for index in reversed(range(blocks.num_layers)):
             prefix = f"model.layers.{index}."
             mine = {
                 fqn[len(prefix) :]: schemes for fqn, schemes in candidates.items() if fqn.startswith(prefix)
             }
-            with lw.block(index) as block:
+            with blocks.block(index) as block:
                 for pack_index, pack in enumerate(packs):
                     scores, grads[pack_index] = _block_backward(
-                        lw, block, pack, inputs[index][pack_index], grads[pack_index], mine
+                        blocks, block, pack, inputs[index][pack_index], grads[pack_index], mine
                     )
                     for name, values in scores.items():
                         for slot, value in enumerate(values):
@@ -78,23 +79,23 @@ def fisher_kl(
 
 
 @torch.inference_mode()
-def _forward(lw: BlockRunner, packs: list[Pack], progress: Progress) -> list[list[torch.Tensor]]:
-    hidden = [lw.embed(p) for p in packs]
+def _forward(blocks: BlockRunner, packs: list[Pack], progress: Progress) -> list[list[torch.Tensor]]:
+    hidden = [blocks.embed(p) for p in packs]
     inputs = [hidden]
     with (
-        progress.task("Sensitivity (Fisher): forward pass", total=lw.num_layers) as task,
-        lw.without_outside(),
+        progress.task("Sensitivity (Fisher): forward pass", total=blocks.num_layers) as task,
+        blocks.without_outside(),
     ):
-        for index in range(lw.num_layers):
-            with lw.block(index):
-                hidden = [lw.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
+        for index in range(blocks.num_layers):
+            with blocks.block(index):
+                hidden = [blocks.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
             inputs.append(hidden)
             task.advance()
     return inputs
 
 
 def _head_gradient(
-    lw: BlockRunner, final: torch.Tensor, samples: int, generator: torch.Generator
+    blocks: BlockRunner, final: torch.Tensor, samples: int, generator: torch.Generator
 ) -> torch.Tensor:
     """d/d(final hidden) of the log-likelihood of labels drawn from the model itself, `samples` draws:
     [1, T, H] -> [samples, T, H]; logits are formed a chunk of positions at a time."""
@@ -103,7 +104,7 @@ def _head_gradient(
     with torch.enable_grad():
         for start in range(0, hidden.shape[1], 128):
             part = hidden[:, start : start + 128].detach().requires_grad_(True)
-            logp = torch.log_softmax(lw.lm_head(lw.norm(part)).float(), -1)  # [S, t, V]
+            logp = torch.log_softmax(blocks.lm_head(blocks.norm(part)).float(), -1)  # [S, t, V]
             labels = torch.multinomial(logp[0].detach().exp(), samples, replacement=True, generator=generator)
             picked = logp.gather(2, labels.t()[:, :, None])  # [S, t, 1]: draw s at each position
             picked.sum().backward()
@@ -113,7 +114,7 @@ def _head_gradient(
 
 
 def _block_backward(
-    lw: BlockRunner,
+    blocks: BlockRunner,
     block: nn.Module,
     pack: Pack,
     block_input: torch.Tensor,
@@ -135,7 +136,7 @@ def _block_backward(
     try:
         with torch.enable_grad():
             x = block_input.detach().clone().expand(samples, -1, -1).contiguous().requires_grad_(True)
-            rope = lw.rotary_emb(x[:1], pack.position_ids)
+            rope = blocks.rotary_emb(x[:1], pack.position_ids)
             out = block(x, attention_mask=pack.mask, position_ids=pack.position_ids, position_embeddings=rope)
             out = out[0] if isinstance(out, tuple) else out
             out.backward(grad_output)
@@ -146,7 +147,7 @@ def _block_backward(
             parameter.requires_grad_(True)
     assert x.grad is not None
     scores = {
-        name: _scores(block.get_submodule(name), captured[name], schemes, pack)
+        name: _scores(get_linear(block, name), captured[name], schemes, pack)
         for name, schemes in candidates.items()
     }
     return scores, x.grad.detach()
@@ -162,7 +163,7 @@ def _capture(captured: dict[str, dict[str, torch.Tensor]], name: str) -> Callabl
 
 @torch.no_grad()
 def _scores(
-    linear: nn.Module, captured: dict[str, torch.Tensor], schemes: list[Scheme], pack: Pack
+    linear: nn.Linear, captured: dict[str, torch.Tensor], schemes: list[Scheme], pack: Pack
 ) -> list[float]:
     """Sum over sequences and draws of (sum over positions of g . dW x)^2, for each candidate's dW."""
     x = captured["input"][0].to(torch.float32)  # [T, K]: every draw saw the same input

@@ -20,19 +20,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from quantize.common.config import Problems
 from quantize.common.errors import QpackError
 from quantize.common.progress import NULL_PROGRESS, Progress
 from quantize.formats.schemes import Scheme
-from quantize.model.surgery import get_module
+from quantize.model.surgery import get_linear
 from quantize.planning.plan import block_index
 from quantize.sensitivity.exact import measure_exact
+from quantize.sensitivity.settings import SensitivityConfig
 from quantize.sensitivity.table import (
     FISHER_SLOT,
     SensitivityTable,
@@ -43,24 +44,6 @@ from quantize.sensitivity.table import (
 )
 from quantize.sequential.packing import make_packs, sample_sequences
 from quantize.sequential.runner import BlockRunner
-
-METHODS = ("auto", "kl", "kl-all", "fisher", "mse")
-
-
-@dataclass(frozen=True)
-class SensitivityConfig:
-    # auto: exact KL (`kl`) where its estimated time fits `budget_minutes` and the whole model fits memory,
-    # else the Fisher estimate (`fisher`, quantize/sensitivity/fisher.py) scaled by exact KL on `calibration_layers` layers
-    method: str = "auto"
-    num_tokens: int = 256
-    seed: int = 0
-    pack_tokens: int = 512
-    budget_minutes: float = 10.0
-    fisher_samples: int = 4
-    calibration_layers: int = 4
-
-    def cache_key(self, weights_sha256: str) -> str:
-        return f"tokens={self.num_tokens}:seed={self.seed}:weights={weights_sha256}"
 
 
 def measure_sensitivity(
@@ -78,8 +61,9 @@ def measure_sensitivity(
     """Sensitivity of every (layer, scheme) in `candidates`; returns the table, the number of cache hits and
     how the method was chosen. `model` gives the layer shapes (its weights may be on `meta`); `load` returns the
     whole model with its weights (exact methods); `streamed` is what the Fisher pass walks block by block."""
-    if config.method not in METHODS:
-        raise QpackError(f"--sensitivity must be one of {', '.join(METHODS)} (got {config.method!r})")
+    problems = Problems()
+    config.check(problems)
+    problems.raise_if_any(config)
     if not heldout:
         raise QpackError(
             "the calibration directory has no held-out tokens; re-run qpack calibrate with --heldout > 0"
@@ -94,12 +78,17 @@ def measure_sensitivity(
     if todo:
         sample = sample_sequences(heldout, config.num_tokens, config.seed, truncate=True)
         if method == "fisher":
-            lw = BlockRunner(streamed if streamed is not None else model)
-            _fisher(lw, todo, sample, config, table, progress)
+            blocks = BlockRunner(streamed if streamed is not None else model)
+            _fisher(blocks, todo, sample, config, table, progress)
         else:
-            lw = BlockRunner(load() if load is not None else model)
+            blocks = BlockRunner(load() if load is not None else model)
             measure_exact(
-                lw, todo, measure, make_packs(sample, config.pack_tokens, share_prefix=True), table, progress
+                blocks,
+                todo,
+                measure,
+                make_packs(sample, config.pack_tokens, share_prefix=True),
+                table,
+                progress,
             )
         save_cache(calibration_dir, key, table)
     return table, hits, choice
@@ -117,8 +106,7 @@ def _missing(
     measure: dict[str, list[Scheme]] = {}
     hits = 0
     for fqn, schemes in candidates.items():
-        linear = get_module(model, fqn)
-        in_features, out_features = int(linear.in_features), int(linear.out_features)
+        in_features, out_features = _features(model, fqn)
         if method == "fisher":
             missing = [s for s in schemes if (table.entry(fqn, s) or {}).get(FISHER_SLOT) is None]
             hits += len(schemes) - len(missing)
@@ -137,7 +125,7 @@ def _missing(
 
 
 def _fisher(
-    lw: BlockRunner,
+    blocks: BlockRunner,
     todo: dict[str, list[Scheme]],
     sample: list[torch.Tensor],
     config: SensitivityConfig,
@@ -149,7 +137,7 @@ def _fisher(
     from quantize.sensitivity.fisher import fisher_kl
 
     packs = make_packs(sample, config.pack_tokens, share_prefix=False)
-    estimates = fisher_kl(lw, todo, packs, config.fisher_samples, config.seed, progress)
+    estimates = fisher_kl(blocks, todo, packs, config.fisher_samples, config.seed, progress)
     for fqn, values in estimates.items():
         for scheme, value in zip(todo[fqn], values, strict=True):
             table.record(fqn, scheme, fisher=value)
@@ -158,9 +146,9 @@ def _fisher(
         return
     step = max(1, len(names) // config.calibration_layers)
     chosen = names[step // 2 :: step][: config.calibration_layers]
-    measure = {fqn: to_measure(todo[fqn], *_features(lw.model, fqn), "kl")[:1] for fqn in chosen}
+    measure = {fqn: to_measure(todo[fqn], *_features(blocks.model, fqn), "kl")[:1] for fqn in chosen}
     measure_exact(
-        lw,
+        blocks,
         {f: todo[f] for f in chosen},
         measure,
         make_packs(sample, config.pack_tokens, share_prefix=True),
@@ -170,8 +158,8 @@ def _fisher(
 
 
 def _features(model: nn.Module, fqn: str) -> tuple[int, int]:
-    linear = get_module(model, fqn)
-    return int(linear.in_features), int(linear.out_features)
+    linear = get_linear(model, fqn)
+    return linear.in_features, linear.out_features
 
 
 def choose_method(
@@ -182,7 +170,7 @@ def choose_method(
     2 FLOPs per weight per token, at the matrix-multiply rate measured here."""
     if config.method != "auto":
         return {"method": config.method, "reason": "asked for"}
-    blocks = len(model.model.layers)  # type: ignore[union-attr]
+    blocks = len(cast(Any, model).model.layers)
     per_block = sum(
         _features(model, n)[0] * _features(model, n)[1]
         for n, m in model.named_modules()
@@ -203,7 +191,7 @@ def choose_method(
     fits = max_memory is None or model_bytes < 0.8 * max_memory
     exact = seconds <= 60 * config.budget_minutes and fits
     reason = f"exact KL estimated at {seconds / 60:.1f} min (budget {config.budget_minutes:g} min)" + (
-        "" if fits else f"; the FP32 model ({model_bytes / 2**30:.1f} GiB) does not fit --max-memory"
+        "" if fits else f"; the FP32 model ({model_bytes / 2**30:.1f} GiB) does not fit the memory limit"
     )
     return {
         "method": "kl" if exact else "fisher",

@@ -17,41 +17,38 @@ kernel numerics), so the final KL/PPL against FP32 needs no second pass and no s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from quantize import algorithms as A
 from quantize.common.progress import NULL_PROGRESS, Progress
-from quantize.formats.handlers import handler_for
 from quantize.formats.schemes import W8A8, Int4, Int8
 from quantize.io.artifact import ArtifactWriter
-from quantize.io.calibration import CalibrationData, ChannelStats
+from quantize.io.calibration import ChannelStats
 from quantize.model.surgery import (
     InputGroup,
     QuantizedWeight,
     fold_input_scale,
+    get_linear,
     get_module,
     input_groups,
     install,
 )
 from quantize.planning.plan import Plan
-from quantize.sequential.packing import Pack, make_packs, sample_sequences
+from quantize.runtime.handlers import handler_for
+from quantize.sequential.packing import Pack, make_packs
 from quantize.sequential.runner import BlockRunner, input_hessians
-
-if TYPE_CHECKING:
-    from quantize.config import QuantizeConfig
 
 
 @dataclass
 class _Run:
     """What every block of one run shares."""
 
-    lw: BlockRunner
+    blocks: BlockRunner
     plan: Plan
-    calibration: CalibrationData
-    config: QuantizeConfig
+    stats: dict[str, ChannelStats]
     num_tokens: int
 
 
@@ -68,41 +65,40 @@ class PassResult:
 
 
 def apply_plan(
-    lw: BlockRunner,
+    blocks: BlockRunner,
     plan: Plan,
-    calibration: CalibrationData,
-    config: QuantizeConfig,
+    stats: dict[str, ChannelStats],
+    calibration: list[torch.Tensor],
     writer: ArtifactWriter,
     eval_packs: list[Pack],
     progress: Progress = NULL_PROGRESS,
 ) -> PassResult:
-    """Quantize every planned linear, writing each block's tensors as it is done; measure on `eval_packs`."""
-    packs = make_packs(
-        sample_sequences(calibration.train, config.calib_tokens, config.seed), 512, share_prefix=True
-    )
-    run = _Run(lw, plan, calibration, config, int(sum(p.represented_tokens for p in packs)))
+    """Quantize every planned linear with its algorithm (`plan.algorithms`) on the `calibration` sequences and
+    their recorded input statistics, writing each block's tensors as it is done; measure on `eval_packs`."""
+    packs = make_packs(calibration, 512, share_prefix=True)
+    run = _Run(blocks, plan, stats, int(sum(p.represented_tokens for p in packs)))
     info: dict[str, dict[str, Any]] = {}
-    groups = input_groups(lw.model)
+    groups = input_groups(blocks.model)
     with torch.inference_mode():
-        hidden = [lw.embed(p) for p in packs]
-        reference = [lw.embed(p) for p in eval_packs]
+        hidden = [blocks.embed(p) for p in packs]
+        reference = [blocks.embed(p) for p in eval_packs]
     candidate = list(reference)
-    title = f"Quantizing {lw.num_layers} blocks on {run.num_tokens:,} calibration tokens"
-    with progress.task(title, total=lw.num_layers) as task, lw.without_outside():
-        for index in range(lw.num_layers):
-            with lw.block(index):
+    title = f"Quantizing {blocks.num_layers} blocks on {run.num_tokens:,} calibration tokens"
+    with progress.task(title, total=blocks.num_layers) as task, blocks.without_outside():
+        for index in range(blocks.num_layers):
+            with blocks.block(index):
                 with torch.inference_mode():
                     reference = [
-                        lw.run_block(index, h, p) for h, p in zip(reference, eval_packs, strict=True)
+                        blocks.run_block(index, h, p) for h, p in zip(reference, eval_packs, strict=True)
                     ]
                 block_groups = [g for g in groups if g.block == index]
                 records = _quantize_block(run, index, block_groups, hidden, packs)
                 with torch.inference_mode():
-                    hidden = [lw.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
+                    hidden = [blocks.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
                 _write_block(run, index, records, writer, info)
                 with torch.inference_mode():
                     candidate = [
-                        lw.run_block(index, h, p) for h, p in zip(candidate, eval_packs, strict=True)
+                        blocks.run_block(index, h, p) for h, p in zip(candidate, eval_packs, strict=True)
                     ]
             task.advance()
     return _finish_outside_blocks(run, writer, info, hidden, packs, reference, candidate)
@@ -118,24 +114,24 @@ def _write_block(
     """The block's FP tensors (norms, kept linears) and quantized linears into the artifact; the quantized
     linears then run as their runtime modules for the held-out measurement."""
     prefix = f"model.layers.{index}."
-    layer = run.lw.layers[index]
+    layer = run.blocks.layers[index]
     owned = tuple(f"{fqn[len(prefix) :]}." for fqn in records)
     writer.add_fp({prefix + n: t for n, t in layer.state_dict().items() if not n.startswith(owned)})
     for fqn, record in records.items():
         writer.add_quantized(fqn, record, run.plan.shapes[fqn])
         if record.info:
             info[fqn] = record.info
-        install(run.lw.model, fqn, record)
+        install(run.blocks.model, fqn, record)
 
 
 def _quantize_block(
     run: _Run, index: int, block_groups: list[InputGroup], hidden: list[torch.Tensor], packs: list[Pack]
 ) -> dict[str, QuantizedWeight]:
     planned = {m for g in block_groups for m in g.members if run.plan.schemes.get(m) is not None}
-    needs = {run.plan.algorithms[m] for m in planned} & {"gptq", "awq", "smoothquant"}
-    model = run.lw.model
+    needs = any(not isinstance(run.plan.algorithms[m], A.RTN) for m in planned)
+    model = run.blocks.model
     heads = {g.name: get_module(model, g.members[0]) for g in block_groups}
-    hessians = input_hessians(run.lw, index, heads, hidden, packs) if needs else {}
+    hessians = input_hessians(run.blocks, index, heads, hidden, packs) if needs else {}
     smooth: dict[str, torch.Tensor] = {}
     info: dict[str, dict[str, Any]] = {}
     records: dict[str, QuantizedWeight] = {}
@@ -159,21 +155,28 @@ def _fold_group_scale(
 ) -> None:
     """SmoothQuant's or AWQ's per-input-channel scale for one input group, folded into the module in front of
     it (or, with nothing to fold into, kept for the w8a8 members in `smooth`); the group's Hessian follows."""
-    plan, config, model = run.plan, run.config, run.lw.model
-    algorithms = {plan.algorithms[m] for m in members}
-    weights = [get_module(model, m).weight.detach().to(torch.float32) for m in group.members]
+    plan, model = run.plan, run.blocks.model
+    smoothquant = _first(A.SmoothQuant, [plan.algorithms[m] for m in members])
+    awq = _first(A.AWQ, [plan.algorithms[m] for m in members])
+    weights = [get_linear(model, m).weight.detach().to(torch.float32) for m in group.members]
     h = hessians.get(group.name)
     scale: torch.Tensor | None = None
-    if "smoothquant" in algorithms:
-        stat = run.calibration.stats.get(group.members[0])
-        abs_max = stat.abs_max if stat is not None else torch.diag(h).sqrt()  # type: ignore[arg-type]
-        scale = A.smoothquant_factor(weights, abs_max, config.smoothquant_alpha)
+    if smoothquant is not None:
+        stat = run.stats.get(group.members[0])
+        if stat is not None:
+            abs_max = stat.abs_max
+        else:
+            assert h is not None, "the Hessian is collected for every non-RTN group"
+            abs_max = torch.diag(h).sqrt()
+        scale = A.smoothquant_factor(weights, abs_max, smoothquant.alpha)
         for m in members:
-            info.setdefault(m, {})["smoothquant_alpha"] = config.smoothquant_alpha
-    elif "awq" in algorithms and group.predecessor is not None and h is not None:
-        schemes = [plan.schemes.get(m) if plan.algorithms.get(m) == "awq" else None for m in group.members]
-        rms = _input_rms(run.calibration.stats, group.members[0], h, run.num_tokens)
-        scale, alpha = A.awq_search(weights, schemes, h, rms, config.awq)
+            info.setdefault(m, {})["smoothquant_alpha"] = smoothquant.alpha
+    elif awq is not None and group.predecessor is not None and h is not None:
+        schemes = [
+            plan.schemes.get(m) if isinstance(plan.algorithms.get(m), A.AWQ) else None for m in group.members
+        ]
+        rms = _input_rms(run.stats, group.members[0], h, run.num_tokens)
+        scale, alpha = A.awq_search(weights, schemes, h, rms, awq)
         for m in members:
             info.setdefault(m, {})["awq_alpha"] = alpha
     if scale is None:
@@ -186,7 +189,7 @@ def _fold_group_scale(
     for m in members:
         if isinstance(plan.schemes[m], W8A8):
             smooth[m] = scale
-            get_module(model, m).weight.mul_(scale[None, :])
+            get_linear(model, m).weight.mul_(scale[None, :])
 
 
 def _input_rms(
@@ -208,28 +211,28 @@ def _quantize_group(
     """Each planned member of one input group with GPTQ (sharing one prepared Hessian) or RTN."""
     records: dict[str, QuantizedWeight] = {}
     gptq = {
-        fqn
+        fqn: algorithm
         for fqn in group.members
-        if run.plan.algorithms.get(fqn) == "gptq"
+        if isinstance(algorithm := run.plan.algorithms.get(fqn), A.GPTQ)
         and isinstance(run.plan.schemes.get(fqn), Int8 | Int4 | W8A8)
     }
-    prepared = A.prepare_hessian(hessian, run.config.gptq) if gptq and hessian is not None else None
+    settings = next(iter(gptq.values()), None)  # one requested algorithm: the same settings for every member
+    prepared = A.prepare_hessian(hessian, settings) if settings is not None and hessian is not None else None
     del hessian  # GPTQ needs only the prepared inverse factor: one K x K matrix alive, not two
     for fqn in group.members:
         scheme = run.plan.schemes.get(fqn)
         if scheme is None:
             continue
-        linear = get_module(run.lw.model, fqn)
-        assert isinstance(linear, nn.Linear), fqn
+        linear = get_linear(run.blocks.model, fqn)
         algorithm = run.plan.algorithms[fqn]
         weight = linear.weight.detach().to(torch.float32)
         if fqn in gptq and prepared is not None:
-            tensors = A.gptq(scheme, weight, prepared, run.config.gptq)
+            tensors = A.quantize_gptq(scheme, weight, prepared, gptq[fqn])
         else:
-            tensors = A.rtn(scheme, weight)
+            tensors = A.quantize_rtn(scheme, weight)
         if fqn in smooth:
             tensors["smooth"] = smooth[fqn].to(torch.float32)
-        records[fqn] = QuantizedWeight(scheme, algorithm, tensors, _bias(linear), info.get(fqn, {}))
+        records[fqn] = QuantizedWeight(scheme, algorithm.name, tensors, _bias(linear), info.get(fqn, {}))
         linear.weight.copy_(handler_for(scheme).dequantize(scheme, tensors).to(linear.weight.dtype))
     return records
 
@@ -245,26 +248,25 @@ def _finish_outside_blocks(
 ) -> PassResult:
     """The weights outside the blocks: the LM head quantized only when an override asks (GPTQ on the final
     normed hidden states, else RTN), everything else FP32; then the held-out final hidden states normed."""
-    lw, model = run.lw, run.lw.model
-    reference_head = candidate_head = lw.lm_head
+    blocks, model = run.blocks, run.blocks.model
+    reference_head = candidate_head = blocks.lm_head
     quantized: dict[str, QuantizedWeight] = {}
     for fqn, scheme in run.plan.quantized().items():
         if fqn.startswith("model.layers."):
             continue
-        linear = get_module(model, fqn)
-        assert isinstance(linear, nn.Linear), fqn
+        linear = get_linear(model, fqn)
         weight = linear.weight.detach().to(torch.float32)
         algorithm = run.plan.algorithms[fqn]
-        if algorithm == "gptq" and isinstance(scheme, Int8 | Int4 | W8A8) and fqn == "lm_head":
+        if isinstance(algorithm, A.GPTQ) and isinstance(scheme, Int8 | Int4 | W8A8) and fqn == "lm_head":
             with torch.inference_mode():
                 normed = [
-                    lw.norm(h)[0] * p.weights[:, None].sqrt() for h, p in zip(hidden, packs, strict=True)
+                    blocks.norm(h)[0] * p.weights[:, None].sqrt() for h, p in zip(hidden, packs, strict=True)
                 ]
             x = torch.cat(normed)
-            tensors = A.gptq(scheme, weight, x.t() @ x, run.config.gptq)
+            tensors = A.quantize_gptq(scheme, weight, x.t() @ x, algorithm)
         else:
-            tensors = A.rtn(scheme, weight)
-        quantized[fqn] = QuantizedWeight(scheme, algorithm, tensors, _bias(linear))
+            tensors = A.quantize_rtn(scheme, weight)
+        quantized[fqn] = QuantizedWeight(scheme, algorithm.name, tensors, _bias(linear))
     outside = {n: t for n, t in model.state_dict().items() if not n.startswith("model.layers.")}
     if getattr(model.config, "tie_word_embeddings", False) and "lm_head" not in quantized:
         outside.pop("lm_head.weight", None)  # stored once, as the embedding
@@ -276,9 +278,16 @@ def _finish_outside_blocks(
         if fqn == "lm_head":
             candidate_head = module
     with torch.inference_mode():
-        reference = [lw.norm(h)[0] for h in reference]
-        candidate = [lw.norm(h)[0] for h in candidate]
+        reference = [blocks.norm(h)[0] for h in reference]
+        candidate = [blocks.norm(h)[0] for h in candidate]
     return PassResult(info, reference, candidate, reference_head, candidate_head)
+
+
+T = TypeVar("T", bound=A.Algorithm)
+
+
+def _first(kind: type[T], algorithms: list[A.Algorithm]) -> T | None:
+    return next((a for a in algorithms if isinstance(a, kind)), None)
 
 
 def _bias(linear: nn.Linear) -> torch.Tensor | None:

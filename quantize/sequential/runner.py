@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -27,13 +27,13 @@ class BlockRunner:
         self.streamed = model if isinstance(model, StreamedModel) else None
         if isinstance(model, StreamedModel):
             model = model.model
-        self.model = model
-        base = model.model  # type: ignore[attr-defined]
+        self.model: Any = model  # a Llama-family *ForCausalLM: its modules are reached by name
+        base: Any = cast(Any, model).model
         self.embed_tokens: nn.Module = base.embed_tokens
         self.layers: nn.ModuleList = base.layers
         self.norm: nn.Module = base.norm
         self.rotary_emb: nn.Module = base.rotary_emb
-        self.lm_head: nn.Module = model.lm_head  # type: ignore[attr-defined]
+        self.lm_head: nn.Module = cast(Any, model).lm_head
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
@@ -108,7 +108,7 @@ def _outside_released(streamed: StreamedModel) -> Iterator[None]:
 
 @torch.inference_mode()
 def input_hessians(
-    lw: BlockRunner,
+    blocks: BlockRunner,
     index: int,
     modules: dict[str, nn.Module],
     hidden: list[torch.Tensor],
@@ -135,7 +135,7 @@ def input_hessians(
     try:
         for h, pack in zip(hidden, packs, strict=True):
             state["weights"] = pack.weights
-            lw.run_block(index, h, pack)
+            blocks.run_block(index, h, pack)
     finally:
         for handle in handles:
             handle.remove()

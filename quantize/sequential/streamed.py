@@ -43,9 +43,9 @@ class StreamedModel:
         self.checkpoint = Checkpoint(self.folder, "weights file", "re-download or re-convert the model")
         config = AutoConfig.from_pretrained(str(self.folder))
         with torch.device("meta"):
-            self.model: nn.Module = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            self.model: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         self.model.eval()
-        self.layers: nn.ModuleList = self.model.model.layers  # type: ignore[union-attr]
+        self.layers: nn.ModuleList = self.model.model.layers
         self._templates = [copy.deepcopy(layer) for layer in self.layers]
         self._users = [0] * len(self.layers)
         self.peak_blocks = 0
@@ -56,7 +56,7 @@ class StreamedModel:
 
     @property
     def config(self) -> Any:
-        return self.model.config  # type: ignore[union-attr]
+        return self.model.config
 
     @property
     def num_layers(self) -> int:
@@ -100,16 +100,16 @@ class StreamedModel:
         names = [n for n in self.checkpoint.refs if not _BLOCK.match(n)]
         for name in names:
             self._assign(self.model, name, self.checkpoint.read(name, torch.float32))
-        base = self.model.model  # type: ignore[union-attr]
+        base = self.model.model
         if self._tied():
-            self.model.lm_head.weight = base.embed_tokens.weight  # type: ignore[union-attr]
+            self.model.lm_head.weight = base.embed_tokens.weight
         base.rotary_emb = type(base.rotary_emb)(config=self.config).to(self.device)
 
     def release_outside(self) -> None:
         """Drop the embedding and head matrices (FP32: 1.6 GB at 8B widths) while only the blocks are needed, e.g.
         after the embeddings of a pass's tokens are taken; `restore_outside` reads them again."""
-        base = self.model.model  # type: ignore[union-attr]
-        for module in {id(m): m for m in (base.embed_tokens, self.model.lm_head)}.values():  # type: ignore[union-attr]
+        base = self.model.model
+        for module in {id(m): m for m in (base.embed_tokens, self.model.lm_head)}.values():
             for name, parameter in list(module._parameters.items()):
                 if parameter is not None and parameter.dim() == 2:
                     module._parameters[name] = nn.Parameter(
@@ -179,14 +179,6 @@ class StreamedModel:
         self.layers[index] = layer
         self.loads += 1
         self.peak_blocks = max(self.peak_blocks, self.materialized + 1)
-
-    def fp32_tensors(self, index: int) -> dict[str, torch.Tensor]:
-        """The FP tensors of a materialized block as an artifact stores them (full names)."""
-        prefix = f"model.layers.{index}."
-        return {
-            prefix + n: t.detach().to(torch.float32).contiguous()
-            for n, t in self.layers[index].state_dict().items()
-        }
 
 
 def check_memory(streamed: StreamedModel, activation_tokens: int, max_memory: int | None) -> int:

@@ -7,6 +7,7 @@ import pytest
 from safetensors.torch import load_file
 
 from calibrate import CalibrationConfig, run_calibration
+from quantize.common.config import ConfigError
 from quantize.common.errors import QpackError
 from quantize.io.calibration import CalibrationData
 from quantize.model.sources import load_tokenizer
@@ -145,15 +146,17 @@ def test_coverage_warns_on_mismatched_reference(tmp_path: Path, tiny_llama: Path
 def test_bad_configs_and_outputs(tmp_path: Path, tiny_llama: Path) -> None:
     queries = messy_jsonl(tmp_path / "q.jsonl")
     with pytest.raises(
-        QpackError, match=r"--turns must be one of first, all.*--num-samples must be at least 1"
+        ConfigError,
+        match=r"invalid CalibrationConfig: turns must be one of first, all \(got 'some'\); num_samples must be "
+        r"at least 1",
     ):
         run_calibration(CalibrationConfig(output=tmp_path / "o", turns="some", num_samples=0))
     (tmp_path / "exists").mkdir()
-    with pytest.raises(QpackError, match="already exists; pass --overwrite"):
+    with pytest.raises(QpackError, match="already exists; set `overwrite`"):
         run_calibration(
             CalibrationConfig(output=tmp_path / "exists", model=str(tiny_llama), queries=(str(queries),))
         )
-    with pytest.raises(QpackError, match="every query was filtered out"):
+    with pytest.raises(ConfigError, match=r"queries were all filtered out .* shorter than `min_tokens` 400"):
         run_calibration(
             CalibrationConfig(
                 output=tmp_path / "none",

@@ -88,7 +88,7 @@ def test_csv_and_tsv(tmp_path: Path) -> None:
 
 def test_csv_without_query_column_names_the_columns(tmp_path: Path) -> None:
     path = _write(tmp_path / "q.csv", "a,b\n1,2\n")
-    with pytest.raises(QpackError, match=r"no query column found .*columns: a, b.*--field"):
+    with pytest.raises(QpackError, match=r"no query column found .*columns: a, b.*set `field`"):
         read_source(path)
     with pytest.raises(QpackError, match="column 'c' not in"):
         read_source(path, field_name="c")
@@ -132,7 +132,7 @@ def test_saved_datasets_folder(tmp_path: Path) -> None:
 def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
     with pytest.raises(QpackError, match="does not exist"):
         read_source(tmp_path / "missing.jsonl")
-    with pytest.raises(QpackError, match=r"unknown query file format '\.xml'.*--format"):
+    with pytest.raises(QpackError, match=r"unknown query file format '\.xml'.*set `format`"):
         read_source(_write(tmp_path / "q.xml", "<a/>"))
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from quantize import algorithms as A
-from quantize.formats.handlers import handler_for
 from quantize.formats.primitives import output_error
 from quantize.formats.schemes import Int4, Int8
 from quantize.model.sources import load_model, resolve_model
+from quantize.runtime.handlers import handler_for
 from quantize.sequential.packing import make_packs
 from quantize.sequential.runner import BlockRunner
 
@@ -38,9 +38,9 @@ def layer_inputs(
                 lambda _m, args, n=name: captured.setdefault(n, []).append(args[0][0])
             )
         )
-    lw = BlockRunner(model)
+    blocks = BlockRunner(model)
     for pack in make_packs(data.train[:64], 256):
-        lw.final_hidden(pack)
+        blocks.final_hidden(pack)
     for handle in handles:
         handle.remove()
     return {n: (model.get_submodule(n).weight.detach().clone(), torch.cat(captured[n])) for n in names}
@@ -51,8 +51,8 @@ def test_gptq_beats_rtn_on_real_layers(scheme, layer_inputs) -> None:
     handler = handler_for(scheme)
     for name, (weight, x) in layer_inputs.items():
         h = x.t() @ x
-        rtn = handler.dequantize(scheme, A.rtn(scheme, weight))
-        gptq = handler.dequantize(scheme, A.gptq(scheme, weight, h))
+        rtn = handler.dequantize(scheme, A.quantize_rtn(scheme, weight))
+        gptq = handler.dequantize(scheme, A.quantize_gptq(scheme, weight, h))
         rtn_error = float(output_error(rtn - weight, h))
         gptq_error = float(output_error(gptq - weight, h))
         assert gptq_error < 0.9 * rtn_error, (name, gptq_error, rtn_error)
@@ -60,13 +60,13 @@ def test_gptq_beats_rtn_on_real_layers(scheme, layer_inputs) -> None:
 
 def test_gptq_codes_are_on_the_grid(layer_inputs) -> None:
     weight, x = layer_inputs["model.layers.2.mlp.up_proj"]
-    tensors = A.gptq(Int4(32), weight, x.t() @ x, A.GPTQConfig(act_order=True))
+    tensors = A.quantize_gptq(Int4(32), weight, x.t() @ x, A.GPTQ(act_order=True))
     assert tensors["qweight"].dtype == torch.uint8 and tensors["qweight"].shape == (
         weight.shape[0],
         weight.shape[1] // 2,
     )
     assert tensors["scale"].shape == (weight.shape[0], weight.shape[1] // 32)
-    int8 = A.gptq(Int8(), weight, x.t() @ x)
+    int8 = A.quantize_gptq(Int8(), weight, x.t() @ x)
     assert int8["qweight"].abs().max() <= 127
 
 
@@ -90,5 +90,5 @@ def test_singular_hessian_is_damped() -> None:
     weight = torch.randn(8, 16)
     hessian = torch.zeros(16, 16)
     hessian[:4, :4] = torch.eye(4)
-    tensors = A.gptq(Int8(), weight, hessian)
+    tensors = A.quantize_gptq(Int8(), weight, hessian)
     assert torch.isfinite(handler_for(Int8()).dequantize(Int8(), tensors)).all()

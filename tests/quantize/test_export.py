@@ -12,21 +12,30 @@ import torch
 
 from quantize.common.errors import QpackError
 from quantize.config import QuantizeConfig
-from quantize.formats.handlers import handler_for
+from quantize.formats.schemes import Int4, Scheme
 from quantize.io.artifact import load_artifact
 from quantize.io.compressed_tensors import export_compressed_tensors
 from quantize.pipeline import quantize_model
-from quantize.planning.plan import Plan
-from quantize.sensitivity.measure import SensitivityConfig
+from quantize.planning.plan import Plan, PlanRules
+from quantize.planning.presets import PRESETS
+from quantize.runtime.handlers import handler_for
+from quantize.sensitivity.settings import SensitivityConfig
 
 pytest.importorskip("compressed_tensors")
 
 FAST = dict(sensitivity=SensitivityConfig(num_tokens=64), calib_tokens=512, eval_tokens=128)
 
 
-def _artifact(cal: Path, out: Path, overrides: tuple[str, ...]) -> Path:
+def _artifact(cal: Path, out: Path, overrides: dict[str, Scheme | None]) -> Path:
     quantize_model(
-        QuantizeConfig(output=out, calibration=cal, preset="int4", group_size=32, overrides=overrides, **FAST)
+        QuantizeConfig(
+            output=out,
+            calibration=cal,
+            preset=PRESETS["int4"],
+            schemes=(Int4(32),),
+            overrides=overrides,
+            **FAST,
+        )
     )
     return out
 
@@ -39,7 +48,7 @@ def test_round_trip_is_exact(tiny_llama_calibration: Path, tmp_path: Path) -> No
     art = _artifact(
         tiny_llama_calibration,
         tmp_path / "art",
-        ("re:.*down_proj=int8", "re:.*o_proj=bf16", "re:.*up_proj=w8a8"),
+        PlanRules.parse(["re:.*down_proj=int8", "re:.*o_proj=bf16", "re:.*up_proj=w8a8"]),
     )
     out = tmp_path / "ct"
     summary = export_compressed_tensors(art, out)
@@ -74,7 +83,9 @@ def test_round_trip_is_exact(tiny_llama_calibration: Path, tmp_path: Path) -> No
 def test_symmetric_export_loads_in_transformers(tiny_llama_calibration: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    art = _artifact(tiny_llama_calibration, tmp_path / "art", ("_default=int8", "re:.*gate_proj=w8a8"))
+    art = _artifact(
+        tiny_llama_calibration, tmp_path / "art", PlanRules.parse(["_default=int8", "re:.*gate_proj=w8a8"])
+    )
     export_compressed_tensors(art, tmp_path / "ct")
     theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ct"), dtype=torch.float32)
     ours = load_artifact(art).model
@@ -86,7 +97,7 @@ def test_symmetric_export_loads_in_transformers(tiny_llama_calibration: Path, tm
 
 def test_unexpressible_layers_are_named(tiny_llama_calibration: Path, tmp_path: Path) -> None:
     pytest.importorskip("bitsandbytes")
-    art = _artifact(tiny_llama_calibration, tmp_path / "art", ("re:.*q_proj=bnb-nf4",))
+    art = _artifact(tiny_llama_calibration, tmp_path / "art", PlanRules.parse(["re:.*q_proj=bnb-nf4"]))
     with pytest.raises(
         QpackError, match=r"cannot export 2 layers.*self_attn.q_proj \(bnb-nf4\): bitsandbytes"
     ):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantize.formats.handlers import HANDLERS, handler_for
 from quantize.formats.schemes import BF16, FP16, W8A8, BnbInt8, BnbNF4, Int4, Int8, Scheme
+from quantize.runtime.handlers import HANDLERS, handler_for
 from quantize.runtime.modules import Int4Linear, Int8Linear, QuantLinear
 from tests.numerics import gemm_error_bound
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from quantize.formats import primitives as P
-from quantize.formats.handlers import Int4Handler
 from quantize.formats.schemes import BF16, Int4, Int8
+from quantize.runtime.handlers import Int4Handler
 from quantize.runtime.kernels import build
 from quantize.runtime.kernels import ops as kernels
 from quantize.runtime.modules import PREFILL_DTYPES, HalfLinear, Int4Linear, Int8Linear

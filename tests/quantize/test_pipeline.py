@@ -9,12 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantize.algorithms import AWQ, GPTQ, RTN, Algorithm
+from quantize.common.config import ConfigError
 from quantize.common.errors import QpackError
 from quantize.config import QuantizeConfig
+from quantize.formats.schemes import BF16, W8A8, BnbInt8, BnbNF4, Int4, Int8, Scheme
 from quantize.io.artifact import load_artifact, read_manifest, update_manifest, verify_artifact
 from quantize.pipeline import quantize_model
+from quantize.planning.presets import PRESETS
 from quantize.runtime.modules import BnbLinear, HalfLinear, Int4Linear, Int8Linear, W8A8Linear
-from quantize.sensitivity.measure import SensitivityConfig
+from quantize.sensitivity.settings import SensitivityConfig
 
 FAST = dict(sensitivity=SensitivityConfig(num_tokens=64), calib_tokens=512, eval_tokens=256)
 
@@ -31,29 +35,28 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("scheme", "module_type", "max_kl"),
     [
-        ("int8", Int8Linear, 1e-3),
-        ("int4-g32", Int4Linear, 5e-2),
-        ("w8a8", W8A8Linear, 5e-3),
-        ("bf16", HalfLinear, 1e-4),
-        ("bnb-int8", BnbLinear, 1e-2),
-        ("bnb-nf4", BnbLinear, 1e-1),
+        (Int8(), Int8Linear, 1e-3),
+        (Int4(32), Int4Linear, 5e-2),
+        (W8A8(), W8A8Linear, 5e-3),
+        (BF16(), HalfLinear, 1e-4),
+        (BnbInt8(), BnbLinear, 1e-2),
+        (BnbNF4(), BnbLinear, 1e-1),
     ],
+    ids=lambda v: v.label() if isinstance(v, Scheme) else "",
 )
 def test_each_scheme_on_a_tiny_tied_llama(
     scheme, module_type, max_kl, tiny_llama, tiny_llama_calibration, tmp_path
 ):
-    if scheme.startswith("bnb"):
+    if scheme.type.startswith("bnb"):
         pytest.importorskip("bitsandbytes")
-    result = quantize_model(
-        _config(tiny_llama_calibration, tmp_path / "art", overrides=(f"_default={scheme}",))
-    )
+    result = quantize_model(_config(tiny_llama_calibration, tmp_path / "art", overrides={"_default": scheme}))
     model = load_artifact(tmp_path / "art").model
     swapped = {n for n, m in model.named_modules() if isinstance(m, module_type)}
     assert len(swapped) == 14  # 2 blocks x 7 linears; the head stays FP32
     assert (
         isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight is model.model.embed_tokens.weight
     )
-    assert result.manifest["quality"]["kl"] < max_kl
+    assert result.quality.kl < max_kl and result.manifest["quality"]["kl"] == result.quality.kl
     assert "kept FP32: lm_head, embed_tokens, norms" in result.manifest["quantization"]["summary"]
 
 
@@ -68,13 +71,13 @@ def _remeasured(artifact: Path, calibration: Path, model_dir: Path) -> dict[str,
     reference = load_model(resolve_model(str(model_dir)))
     return compare_to_reference(
         load_artifact(artifact).model, packs, reference_hidden(reference, packs), reference.lm_head
-    )
+    ).to_json()
 
 
 @pytest.mark.parametrize("preset", ["int8", "int4", "mixed", "w8a8"])
 def test_presets_save_load_same_quality(preset, tiny_qwen2, tiny_qwen2_calibration, tmp_path):
     out = tmp_path / preset
-    quantize_model(_config(tiny_qwen2_calibration, out, preset=preset, name="tiny", version="2.0"))
+    quantize_model(_config(tiny_qwen2_calibration, out, preset=PRESETS[preset], name="tiny", version="2.0"))
     manifest = read_manifest(out)
     assert manifest["name"] == "tiny" and manifest["version"] == "2.0" and manifest["evals"] == {}
     assert set(manifest["files"]) >= {"model.safetensors", "config.json", "tokenizer.json", "sensitivity.png"}
@@ -94,10 +97,10 @@ def test_mixed_plan_respects_budget_and_reuses_sensitivity(
 ):
     cal = copy_dir(tiny_llama_calibration, "cal")
     (cal / "sensitivity.json").unlink(missing_ok=True)
-    first = quantize_model(_config(cal, tmp_path / "a", preset="mixed", target_bits=6.0))
+    first = quantize_model(_config(cal, tmp_path / "a", preset=PRESETS["mixed"], target_bits=6.0))
     assert first.plan.bits() <= 6.0 + 1e-6
     assert first.manifest["quantization"]["plan_info"]["sensitivity_cache_hits"] == 0
-    second = quantize_model(_config(cal, tmp_path / "b", preset="mixed", target_bits=5.0))
+    second = quantize_model(_config(cal, tmp_path / "b", preset=PRESETS["mixed"], target_bits=5.0))
     assert second.manifest["quantization"]["plan_info"]["sensitivity_cache_hits"] > 0
     assert second.plan.bits() <= 5.0 + 1e-6
     rows = second.manifest["sensitivity"]["rows"]
@@ -106,8 +109,10 @@ def test_mixed_plan_respects_budget_and_reuses_sensitivity(
 
 def test_overrides_and_forced_head(tiny_llama_untied, tmp_path, make_calibration):
     cal = make_calibration(tiny_llama_untied, tmp_path / "cal", n=48)
-    overrides = ("lm_head=int8", "re:.*down_proj=bf16", "model.layers.0.self_attn.q_proj=keep")
-    result = quantize_model(_config(cal, tmp_path / "art", preset="int4", group_size=32, overrides=overrides))
+    overrides = {"lm_head": Int8(), "re:.*down_proj": BF16(), "model.layers.0.self_attn.q_proj": None}
+    result = quantize_model(
+        _config(cal, tmp_path / "art", preset=PRESETS["int4"], schemes=(Int4(32),), overrides=overrides)
+    )
     assert any("lm_head forced to int8" in w for w in result.warnings)
     model = load_artifact(tmp_path / "art").model
     assert isinstance(model.lm_head, Int8Linear)
@@ -123,7 +128,7 @@ def test_overrides_and_forced_head(tiny_llama_untied, tmp_path, make_calibration
 
 def test_tampered_and_pickled_artifacts_are_refused(tiny_llama, tiny_llama_calibration, tmp_path):
     out = tmp_path / "art"
-    quantize_model(_config(tiny_llama_calibration, out, preset="int8"))
+    quantize_model(_config(tiny_llama_calibration, out, preset=PRESETS["int8"]))
     verify_artifact(out)
     tampered = tmp_path / "tampered"
     shutil.copytree(out, tampered)
@@ -145,47 +150,68 @@ def test_tampered_and_pickled_artifacts_are_refused(tiny_llama, tiny_llama_calib
     (future / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(QpackError, match="format_version 99"):
         load_artifact(future)
-    updated = update_manifest(out, {"evals": {"mmlu": {"summary": "ok"}}})
-    assert updated["evals"]["mmlu"]["summary"] == "ok"
+    with update_manifest(out) as update:
+        update.commit({**update.manifest, "evals": {"mmlu": {"summary": "ok"}}})
+    assert read_manifest(out)["evals"]["mmlu"]["summary"] == "ok"
     verify_artifact(out)
 
 
-def test_bad_plans_are_clear_errors(tiny_llama, tiny_llama_calibration, tiny_qwen2_calibration, tmp_path):
+def test_bad_plans_are_clear_errors_naming_the_field(
+    tiny_llama, tiny_llama_calibration, tiny_qwen2_calibration, tmp_path
+):
     cal = tiny_llama_calibration
-    with pytest.raises(QpackError, match="unknown scheme 'int3'"):
-        quantize_model(_config(cal, tmp_path / "a", overrides=("_default=int3",)))
     with pytest.raises(
         QpackError, match=r"12 layers cannot use their planned scheme: int4-g128: in_features 64"
     ):
-        quantize_model(_config(cal, tmp_path / "b", overrides=("_default=int4-g128",)))
-    with pytest.raises(QpackError, match=r"size budget impossible: --target-bits 3\.0"):
+        quantize_model(_config(cal, tmp_path / "b", overrides={"_default": Int4(128)}))
+    with pytest.raises(
+        ConfigError, match=r"invalid QuantizeConfig: target_bits 3\.0 is an impossible size budget"
+    ):
         quantize_model(_config(cal, tmp_path / "c", target_bits=3.0))
-    with pytest.raises(QpackError, match="match no linear layer"):
-        quantize_model(_config(cal, tmp_path / "d", overrides=("re:.*nothing_here=int8",)))
-    with pytest.raises(QpackError, match="embeddings are not linears"):
-        quantize_model(_config(cal, tmp_path / "e", overrides=("model.embed_tokens=int8",)))
+    with pytest.raises(ConfigError, match=r"overrides pattern.* match no linear layer"):
+        quantize_model(_config(cal, tmp_path / "d", overrides={"re:.*nothing_here": Int8()}))
+    with pytest.raises(ConfigError, match=r"overrides model\.embed_tokens: embeddings are not linears"):
+        quantize_model(_config(cal, tmp_path / "e", overrides={"model.embed_tokens": Int8()}))
     with pytest.raises(QpackError, match="was built for model"):
         quantize_model(_config(tiny_qwen2_calibration, tmp_path / "f", model=str(tiny_llama)))
-    with pytest.raises(QpackError, match=r"--preset must be one of.*--group-size must be one of"):
-        quantize_model(_config(cal, tmp_path / "g", preset="int2", group_size=48))
+    with pytest.raises(ConfigError) as every:
+        quantize_model(
+            _config(
+                cal,
+                tmp_path / "g",
+                schemes=(Int4(48),),
+                overrides={"re:([": Int8()},
+                algorithm=GPTQ(damp=2.0),
+                target_bits=40.0,
+            )
+        )
+    assert {p.field for p in every.value.problems} == {
+        "schemes",
+        "overrides",
+        "algorithm.damp",
+        "target_bits",
+    }
+    assert "schemes int4 group size must be one of (32, 64, 128) (got 48)" in str(every.value)
     assert not any(tmp_path.iterdir())
 
 
 def test_gptq_and_awq_beat_rtn_on_real_fp32_weights(stories_calibration, tmp_path):
     kl = {}
-    for algorithm in ("rtn", "gptq", "awq"):
+    algorithms: list[Algorithm] = [RTN(), GPTQ(), AWQ()]
+    for algorithm in algorithms:
         result = quantize_model(
             _config(
                 stories_calibration,
-                tmp_path / algorithm,
-                preset="int4",
-                group_size=32,
+                tmp_path / algorithm.name,
+                preset=PRESETS["int4"],
+                schemes=(Int4(32),),
                 algorithm=algorithm,
                 eval_tokens=512,
             )
         )
-        kl[algorithm] = result.manifest["quality"]["kl"]
-        if algorithm == "awq":
+        kl[algorithm.name] = result.quality.kl
+        assert result.manifest["quantization"]["algorithm"] == algorithm.to_json()
+        if isinstance(algorithm, AWQ):
             info = result.manifest["quantization"]["module_info"]
             assert any("awq_alpha" in v for v in info.values())
     assert kl["gptq"] < 0.8 * kl["rtn"], kl
@@ -194,15 +220,17 @@ def test_gptq_and_awq_beat_rtn_on_real_fp32_weights(stories_calibration, tmp_pat
 
 def test_planner_spends_bits_where_sensitivity_is(stories_calibration, tmp_path):
     uniform = quantize_model(
-        _config(stories_calibration, tmp_path / "u", preset="int4", group_size=32, algorithm="rtn")
+        _config(
+            stories_calibration, tmp_path / "u", preset=PRESETS["int4"], schemes=(Int4(32),), algorithm=RTN()
+        )
     )
     mixed = quantize_model(
         _config(
             stories_calibration,
             tmp_path / "m",
-            schemes=("int4-g32", "int8"),
+            schemes=(Int4(32), Int8()),
             target_bits=6.0,
-            algorithm="rtn",
+            algorithm=RTN(),
             sensitivity=SensitivityConfig(num_tokens=128),
         )
     )
@@ -231,9 +259,12 @@ def test_an_impossible_size_budget_fails_before_any_sensitivity_is_measured(
 
     monkeypatch.setattr(planning, "measure_sensitivity", measured)
     with pytest.raises(
-        QpackError, match=r"--target-bits 4\.0 is below the 8\.\d+ bits .*reachable: 8\.\d+ to 16\.\d+"
+        ConfigError,
+        match=r"target_bits 4\.0 is an impossible size budget: .* 8\.\d+ bits .*reachable: 8\.\d+ to 16\.\d+",
     ):
-        quantize_model(_config(tiny_llama_calibration, tmp_path / "a", preset="int8", target_bits=4.0))
+        quantize_model(
+            _config(tiny_llama_calibration, tmp_path / "a", preset=PRESETS["int8"], target_bits=4.0)
+        )
     assert not any(tmp_path.iterdir())
 
 

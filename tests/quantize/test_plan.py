@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from quantize.algorithms import AWQ, GPTQ
 from quantize.common.errors import QpackError
 from quantize.formats.schemes import BF16, Int4, Int8
 from quantize.planning.plan import Plan, PlanRules
@@ -15,7 +16,7 @@ NAMES = [
 
 
 def test_precedence_exact_then_regex_in_order_then_default() -> None:
-    rules = PlanRules.parse(
+    parsed = PlanRules.parse(
         [
             "_default=int4",
             r"re:.*down_proj=int8",
@@ -23,11 +24,20 @@ def test_precedence_exact_then_regex_in_order_then_default() -> None:
             "model.layers.1.mlp.down_proj=keep",
         ]
     )
+    rules = PlanRules.of(parsed)
+    assert rules == PlanRules.of(
+        {
+            "_default": Int4(64),
+            r"re:.*down_proj": Int8(),
+            r"re:model\.layers\.1\..*": BF16(),
+            "model.layers.1.mlp.down_proj": None,
+        }
+    )
     assert rules.lookup("model.layers.0.self_attn.q_proj") == (True, Int4(64), "_default")
     assert rules.lookup("model.layers.0.mlp.down_proj") == (True, Int8(), r"re:.*down_proj")
     assert rules.lookup("model.layers.1.mlp.down_proj") == (True, None, "model.layers.1.mlp.down_proj")
     assert rules.lookup("model.layers.1.self_attn.q_proj") == (True, BF16(), r"re:model\.layers\.1\..*")
-    assert PlanRules.parse(["re:.*q_proj=int8"]).lookup("lm_head") == (False, None, "")
+    assert PlanRules.of({"re:.*q_proj": Int8()}).lookup("lm_head") == (False, None, "")
 
 
 def test_bad_rules_are_reported_together() -> None:
@@ -37,10 +47,15 @@ def test_bad_rules_are_reported_together() -> None:
     assert "'nonsense' is not PATTERN=SCHEME" in message
     assert "bad regex" in message
     assert "unknown scheme 'int5'" in message
+    with pytest.raises(ValueError) as objects:
+        PlanRules.of({"re:([": Int8(), "x": "int8", "": None})  # type: ignore[dict-item]
+    assert objects.value.args[0].count(";") == 2 and "'x': 'int8' is not a scheme" in str(objects.value)
 
 
 def test_unmatched_patterns() -> None:
-    rules = PlanRules.parse(["re:.*o_proj=int8", "model.layers.0.mlp.down_proj=int8", "nope=int8"])
+    rules = PlanRules.of(
+        PlanRules.parse(["re:.*o_proj=int8", "model.layers.0.mlp.down_proj=int8", "nope=int8"])
+    )
     assert rules.unmatched_patterns(NAMES) == ["re:.*o_proj", "nope"]
 
 
@@ -59,7 +74,7 @@ def test_plan_validation_lists_every_offending_layer() -> None:
 def test_plan_bits_summary_and_json() -> None:
     plan = Plan(shapes={"model.layers.0.a": (64, 64), "model.layers.0.b": (64, 192), "lm_head": (64, 512)})
     plan.schemes = {"model.layers.0.a": Int8(), "model.layers.0.b": Int4(64), "lm_head": None}
-    plan.algorithms = {"model.layers.0.a": "gptq", "model.layers.0.b": "awq"}
+    plan.algorithms = {"model.layers.0.a": GPTQ(), "model.layers.0.b": AWQ()}
     expected = (Int8().bits_per_weight(64, 64) * 4096 + 4.375 * 64 * 192) / (4096 + 64 * 192)
     assert plan.bits() == pytest.approx(expected)
     assert (

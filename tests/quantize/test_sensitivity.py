@@ -11,7 +11,8 @@ from quantize.formats.schemes import BF16, Int4, Int8
 from quantize.io.calibration import CalibrationData
 from quantize.model.sources import load_model, resolve_model
 from quantize.sensitivity.exact import _runtime, kl_to_reference, reference_logits
-from quantize.sensitivity.measure import SensitivityConfig, measure_sensitivity
+from quantize.sensitivity.measure import measure_sensitivity
+from quantize.sensitivity.settings import SensitivityConfig
 from quantize.sequential.packing import make_packs, sample_sequences
 from quantize.sequential.runner import BlockRunner
 

@@ -68,7 +68,7 @@ def test_serving_load_imports_no_modeling_code(tiny_qwen2_artifact: Path) -> Non
     """transformers' modeling code drags torch._dynamo, torch.distributed.tensor and torchao into the server."""
     code = f"""
 import sys
-from serve.server import load_for_serving, build_engine
+from serve.loading import build_engine, load_for_serving
 from serve.engine import EngineConfig
 build_engine(load_for_serving({str(tiny_qwen2_artifact)!r}), EngineConfig(kv_memory="4MB", block_size=4))
 heavy = ("torch._dynamo", "torch.distributed.tensor", "torchao", "transformers.models.qwen2.modeling_qwen2")
@@ -125,7 +125,8 @@ def test_an_artifact_from_a_legacy_config_is_served_from_its_complete_config(
     transformers reads it, complete, so the skeleton needs no config class."""
     from quantize.config import QuantizeConfig
     from quantize.pipeline import quantize_model
-    from quantize.sensitivity.measure import SensitivityConfig
+    from quantize.planning.presets import PRESETS
+    from quantize.sensitivity.settings import SensitivityConfig
 
     legacy = copy_dir(tiny_llama, "legacy")
     data = json.loads((legacy / "config.json").read_text())
@@ -139,7 +140,7 @@ def test_an_artifact_from_a_legacy_config_is_served_from_its_complete_config(
         QuantizeConfig(
             output=out,
             calibration=cal,
-            preset="int8",
+            preset=PRESETS["int8"],
             sensitivity=SensitivityConfig(num_tokens=32),
             eval_tokens=64,
         )

@@ -12,35 +12,22 @@ import torch
 
 from quantize.common.errors import QpackError
 from quantize.config import QuantizeConfig
+from quantize.formats.schemes import Int4
 from quantize.io.artifact import INDEX_FILE, load_artifact, read_manifest, verify_artifact
 from quantize.io.checkpoint import Checkpoint
 from quantize.pipeline import quantize_model
-from quantize.sensitivity.measure import SensitivityConfig
+from quantize.planning.presets import PRESETS
+from quantize.sensitivity.settings import SensitivityConfig
 from quantize.sequential.streamed import StreamedModel
 
 
 @pytest.fixture(scope="module")
 def sharded_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from tests.conftest import save_with_stories_tokenizer, tiny_model
 
-    from tests.conftest import CHAT_TEMPLATE, STORIES
-
-    torch.manual_seed(3)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    model = tiny_model(seed=3, intermediate_size=160, num_hidden_layers=6, tie_word_embeddings=False)
     path = tmp_path_factory.mktemp("sharded") / "model"
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(path), max_shard_size="150KB")
-    tokenizer = AutoTokenizer.from_pretrained(str(STORIES))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(path))
+    save_with_stories_tokenizer(model.to(torch.bfloat16), path, max_shard_size="150KB")
     return path
 
 
@@ -67,8 +54,8 @@ def test_calibrate_and_quantize_hold_at_most_two_blocks_and_write_shards(
     config = QuantizeConfig(
         output=art,
         calibration=cal,
-        preset="int4",
-        group_size=32,
+        preset=PRESETS["int4"],
+        schemes=(Int4(32),),
         sensitivity=SensitivityConfig(num_tokens=64),
         calib_tokens=256,
         eval_tokens=128,
@@ -99,7 +86,9 @@ def test_a_tampered_shard_is_refused_and_one_file_artifacts_still_load(
 ) -> None:
     cal = make_calibration(sharded_bf16, tmp_path / "cal", n=48)
     art = tmp_path / "art"
-    base = dict(calibration=cal, preset="int4", group_size=32, calib_tokens=256, eval_tokens=128)
+    base = dict(
+        calibration=cal, preset=PRESETS["int4"], schemes=(Int4(32),), calib_tokens=256, eval_tokens=128
+    )
     quantize_model(QuantizeConfig(output=art, max_shard_size=60_000, **base))
     tampered = copy_dir(art, "tampered")
     shard = tampered / read_manifest(tampered)["weights"][1]

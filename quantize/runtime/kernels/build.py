@@ -25,6 +25,8 @@ from types import ModuleType
 
 import torch
 
+from quantize.common.cache import cache_dir
+
 _log = logging.getLogger("qpack.kernels")
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
@@ -74,8 +76,6 @@ def _sources_digest() -> str:
 
 def build_folder(flags: list[str]) -> tuple[str, Path]:
     """(extension name, folder) for these flags in this environment; a stale lock in it is removed."""
-    from quantize.model.sources import cache_dir
-
     key = "\n".join((_sources_digest(), " ".join(flags), torch.__version__, sys.prefix, torch.__file__))
     name = f"qpack_native_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     folder = cache_dir() / "native" / name

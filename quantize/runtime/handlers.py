@@ -3,8 +3,8 @@
 Each scheme class has one registered `Handler` (as torchao registers a handler per config). The handler owns
 the scheme's *stored* form, a dict of named tensors, which is what artifacts hold and what GPTQ/AWQ produce;
 `quantize` is round-to-nearest, `dequantize` the reference path that sensitivity analysis and the tests compare
-the kernels against, and `build` turns stored tensors into the runtime module (`quantize.runtime.modules`) that executes
-them.
+the kernels against, and `build` turns stored tensors into the runtime module (`quantize.runtime.modules`) that
+executes them.
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ def handler_for(scheme: Scheme) -> Handler:
 class Handler(ABC):
     """How one scheme is stored, dequantized and built into a runtime module."""
 
-    tensor_names: ClassVar[tuple[str, ...]] = ()
-
     @abstractmethod
     def quantize(self, scheme: Scheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """Round-to-nearest: weight [N, K] float -> stored tensors."""
@@ -74,7 +72,6 @@ def _on(bias: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
 
 class _FloatHandler(Handler):
     dtype: ClassVar[torch.dtype] = torch.float32
-    tensor_names = ("weight",)
 
     def quantize(self, scheme: Scheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"weight": weight.detach().to(self.dtype).contiguous()}
@@ -119,8 +116,6 @@ class FP16Handler(_FloatHandler):
 
 @register_handler(Int8)
 class Int8Handler(Handler):
-    tensor_names = ("qweight", "scale")
-
     def quantize(self, scheme: Scheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         scale = P.int8_channel_scale(weight)
         return {"qweight": P.quantize_int8(weight, scale), "scale": scale}
@@ -145,8 +140,6 @@ class Int8Handler(Handler):
 
 @register_handler(Int4)
 class Int4Handler(Handler):
-    tensor_names = ("qweight", "scale", "zero_point")
-
     def quantize(self, scheme: Scheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         assert isinstance(scheme, Int4)
         scale, zero_point = P.int4_group_params(weight, scheme.group_size)
@@ -192,8 +185,6 @@ class W8A8Handler(Handler):
     """Stored: int8 weight per channel, its scale, and (when it could not be folded into the previous
     norm or linear) the SmoothQuant factor `smooth` that the module divides activations by."""
 
-    tensor_names = ("qweight", "scale", "smooth")
-
     def quantize(self, scheme: Scheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         scale = P.int8_channel_scale(weight)
         return {"qweight": P.quantize_int8(weight, scale), "scale": scale}
@@ -236,8 +227,6 @@ def _bnb() -> Any:
 
 @register_handler(BnbInt8)
 class BnbInt8Handler(Handler):
-    tensor_names = ("qweight", "scb")
-
     def quantize(self, scheme: Scheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         functional = _bnb().functional
         qweight, scb, _ = functional.int8_vectorwise_quant(weight.detach().to(torch.float16))
@@ -273,8 +262,6 @@ class BnbInt8Handler(Handler):
 
 @register_handler(BnbNF4)
 class BnbNF4Handler(Handler):
-    tensor_names = ("qweight", "absmax", "code", "shape")
-
     def quantize(self, scheme: Scheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         assert isinstance(scheme, BnbNF4)
         functional = _bnb().functional

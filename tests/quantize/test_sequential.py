@@ -1,3 +1,5 @@
+"""The block-at-a-time pass: packing, block-by-block runs equal to the whole model, Hessians, KL to a reference."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,11 +27,11 @@ def test_packed_forward_equals_per_sequence_forward(
     assert (packs[0].prefix == 7) == share
     represented = sum(p.represented_tokens for p in packs)
     assert represented == sum(len(s) for s in sequences)
-    lw = BlockRunner(model)
+    blocks = BlockRunner(model)
     seen = 0
     with torch.inference_mode():
         for pack in packs:
-            hidden = lw.final_hidden(pack)[0]
+            hidden = blocks.final_hidden(pack)[0]
             start = pack.prefix
             for length in pack.lengths:
                 ids = torch.cat([pack.input_ids[0, : pack.prefix], pack.input_ids[0, start : start + length]])
