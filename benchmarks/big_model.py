@@ -182,7 +182,7 @@ def serve_check(artifact: Path, kv_memory: str, log: Path) -> dict[str, Any]:
     import httpx
 
     from qpack.bench.sysinfo import memory_bandwidth_gbs
-    from serve.server import free_port
+    from serve.http import free_port
 
     port = free_port()
     command = [

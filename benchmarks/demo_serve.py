@@ -9,8 +9,9 @@ from pathlib import Path
 import httpx
 
 from serve.engine import EngineConfig
+from serve.http import BackgroundServer
+from serve.loading import build_engine, describe, load_for_serving
 from serve.openai import ServerInfo
-from serve.server import BackgroundServer, build_engine, describe, load_for_serving
 
 
 def main() -> None:

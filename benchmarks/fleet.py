@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from qpack.bench.loadgen import percentile  # noqa: E402
 from serve.fleet.local_redis import LocalRedis  # noqa: E402
-from serve.server import free_port  # noqa: E402
+from serve.http import free_port  # noqa: E402
 
 
 class Process:

@@ -173,7 +173,7 @@ async def replay(
 
 class Server:
     def __init__(self, artifact: Path, args: list[str], log: Path) -> None:
-        from serve.server import free_port
+        from serve.http import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

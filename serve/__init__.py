@@ -1,22 +1,49 @@
-"""The batching server: continuous batching over a pooled, paged KV cache, OpenAI-compatible HTTP API."""
+"""The batching server: continuous batching over a pooled, paged KV cache, OpenAI-compatible HTTP API.
+
+The public names below are imported on first use, so `import serve` stays instant; the `TYPE_CHECKING` block
+gives type checkers and editors the same names.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from quantize.common.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from serve.engine import Engine, EngineConfig, RequestOutput
+    from serve.http import BackgroundServer
+    from serve.launch import run_server
+    from serve.loading import build_engine, load_for_serving
+    from serve.openai.routes import ServerInfo, create_app
+    from serve.options import ServeOptions
+    from serve.request import SamplingParams
 
 _EXPORTS = {
     "Engine": "serve.engine",
     "EngineConfig": "serve.engine",
     "RequestOutput": "serve.engine",
-    "SamplingParams": "serve.sequence",
-    "ServeOptions": "serve.server",
-    "run_server": "serve.server",
-    "load_for_serving": "serve.server",
-    "build_engine": "serve.server",
-    "BackgroundServer": "serve.server",
+    "SamplingParams": "serve.request",
+    "ServeOptions": "serve.options",
+    "run_server": "serve.launch",
+    "load_for_serving": "serve.loading",
+    "build_engine": "serve.loading",
+    "BackgroundServer": "serve.http",
     "ServerInfo": "serve.openai.routes",
     "create_app": "serve.openai.routes",
 }
-__all__ = list(_EXPORTS)
+__all__ = [
+    "BackgroundServer",
+    "Engine",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "ServeOptions",
+    "ServerInfo",
+    "build_engine",
+    "create_app",
+    "load_for_serving",
+    "run_server",
+]
 
 __getattr__ = lazy_exports("serve", _EXPORTS)

@@ -26,10 +26,10 @@ from quantize.runtime.modules import numerics, set_prefill_dtype
 from serve.block_pool import BlockPool
 from serve.kv_cache import KVLayout, parse_memory
 from serve.metrics import Metrics
+from serve.request import Request, SamplingParams
 from serve.runner import ModelRunner
 from serve.sampler import sample
 from serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from serve.sequence import SamplingParams, Sequence
 from serve.tiers.adapter import TierAdapter
 from serve.tiers.codec import BlockLayout
 from serve.tiers.stores import DiskStore, HostStore
@@ -95,7 +95,7 @@ class RequestOutput:
 
 @dataclass
 class _Stream:
-    seq: Sequence
+    request: Request
     text: str = ""
     sent: int = 0
     max_stop: int = 0
@@ -125,7 +125,11 @@ class Engine:
         self.metrics = metrics or Metrics()
         set_prefill_dtype(model, config.prefill_dtype)  # before the runner fuses q/k/v and gate/up
         device = torch.device(config.device)
-        layout = KVLayout.of(model.config, config.kv_dtype)  # type: ignore[attr-defined]
+        model_config: Any = (
+            model.config
+        )  # a Hugging Face (or skeleton) config, not the Module torch types it as
+        self.vocab_size = int(model_config.vocab_size)
+        layout = KVLayout.of(model_config, config.kv_dtype)
         per_token = layout.bytes_per_token
         self.kv_bytes = parse_memory(config.kv_memory, device)
         num_blocks = layout.blocks_within(self.kv_bytes, config.block_size)
@@ -135,7 +139,7 @@ class Engine:
                 f"({per_token} bytes per token); give it more memory"
             )
         self.kv_bytes_per_token = per_token
-        position_limit = int(getattr(model.config, "max_position_embeddings", 2048))  # type: ignore[attr-defined]
+        position_limit = int(getattr(model_config, "max_position_embeddings", 2048))
         self.max_model_len = min(
             config.max_model_len or position_limit, position_limit, num_blocks * config.block_size
         )
@@ -264,19 +268,22 @@ class Engine:
             + (b"|user=" + user.encode() if self.config.isolate_users and user else b"")
         )
         session = (user or "", session_id or "") if user or session_id else None
-        seq = Sequence(
+        request = Request(
             request_id, list(prompt_ids), params, priority=priority, cache_salt=salt, session=session
         )
-        seq.sample_offset = len(resumed)
+        request.sample_offset = len(resumed)
         if timeout is not None:
-            seq.deadline = time.monotonic() + timeout
+            request.deadline = time.monotonic() + timeout
         stream = _Stream(
-            seq, sent=resume_chars, max_stop=max((len(s) for s in params.stop), default=0), resumed=resumed
+            request,
+            sent=resume_chars,
+            max_stop=max((len(s) for s in params.stop), default=0),
+            resumed=resumed,
         )
         with self._wake:
             if request_id in self.streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            if not self.scheduler.add(seq):
+            if not self.scheduler.add(request):
                 self.metrics.rejected.inc()
                 raise QueueFull(f"the queue holds {self.scheduler.num_waiting} requests (--max-queue)")
             self.streams[request_id] = stream
@@ -303,8 +310,8 @@ class Engine:
 
     def _finish(self, stream: _Stream, reason: str) -> RequestOutput:
         """End a request early (abort, timeout, error): drop its stream, free its blocks, count it."""
-        self.streams.pop(stream.seq.request_id, None)
-        self.scheduler.finish(stream.seq, reason)
+        self.streams.pop(stream.request.request_id, None)
+        self.scheduler.finish(stream.request, reason)
         self.metrics.requests.labels(finish_reason=reason).inc()
         return self._output(stream, "", [], True)
 
@@ -313,20 +320,20 @@ class Engine:
         return [
             self._finish(stream, "timeout")
             for stream in list(self.streams.values())
-            if stream.seq.deadline is not None and now > stream.seq.deadline
+            if stream.request.deadline is not None and now > stream.request.deadline
         ]
 
     def _output(self, stream: _Stream, text: str, ids: list[int], finished: bool) -> RequestOutput:
-        seq = stream.seq
+        request = stream.request
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=request.request_id,
             text=text,
             token_ids=ids,
             finished=finished,
-            finish_reason=seq.finish_reason,
-            prompt_tokens=len(seq.prompt_ids) - len(stream.resumed),
-            completion_tokens=len(stream.resumed) + len(seq.output_ids),
-            cached_tokens=seq.cached_prompt_tokens,
+            finish_reason=request.finish_reason,
+            prompt_tokens=len(request.prompt_ids) - len(stream.resumed),
+            completion_tokens=len(stream.resumed) + len(request.output_ids),
+            cached_tokens=request.cached_prompt_tokens,
         )
 
     def _update_gauges(self) -> None:
@@ -343,23 +350,23 @@ class Engine:
         self.stats.peak_running = max(self.stats.peak_running, len(self.scheduler.running))
 
     def _advance(self, stream: _Stream, token: int) -> RequestOutput | None:
-        seq = stream.seq
+        request = stream.request
         now = time.monotonic()
-        params = seq.params
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            self.metrics.ttft.observe(now - seq.arrival_time)
-            self.metrics.cached_prompt_tokens.inc(seq.cached_prompt_tokens)
-        seq.last_token_time = now
+        params = request.params
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.metrics.ttft.observe(now - request.arrival_time)
+            self.metrics.cached_prompt_tokens.inc(request.cached_prompt_tokens)
+        request.last_token_time = now
         reason = None
         if not params.ignore_eos and token in self.eos_ids:
             reason = "stop"
         else:
-            seq.output_ids.append(token)
+            request.output_ids.append(token)
             self.metrics.generated_tokens.inc()
-            if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            if len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 reason = "length"
-        text = self.tokenizer.decode([*stream.resumed, *seq.output_ids], skip_special_tokens=True)
+        text = self.tokenizer.decode([*stream.resumed, *request.output_ids], skip_special_tokens=True)
         if params.stop:
             start = max(0, stream.sent - stream.max_stop)
             hits = [(text.find(stop, start), stop) for stop in params.stop]
@@ -379,12 +386,12 @@ class Engine:
         delta = text[stream.sent : limit]
         stream.sent = limit
         if finished:
-            self.scheduler.finish(seq, reason)  # type: ignore[arg-type]
-            self.streams.pop(seq.request_id, None)
+            self.scheduler.finish(request, reason)  # type: ignore[arg-type]
+            self.streams.pop(request.request_id, None)
             self.metrics.requests.labels(finish_reason=reason).inc()
-            self.metrics.e2e.observe(now - seq.arrival_time)
-            if len(seq.output_ids) > 1 and seq.first_token_time is not None:
-                self.metrics.tpot.observe((now - seq.first_token_time) / (len(seq.output_ids) - 1))
+            self.metrics.e2e.observe(now - request.arrival_time)
+            if len(request.output_ids) > 1 and request.first_token_time is not None:
+                self.metrics.tpot.observe((now - request.first_token_time) / (len(request.output_ids) - 1))
         new_ids = [token] if (params.ignore_eos or token not in self.eos_ids) else []
         if not delta and not finished and not new_ids:
             return None
@@ -413,11 +420,13 @@ class Engine:
             live = [
                 (row, item)
                 for row, item in enumerate(sampling)
-                if not item.seq.finished and item.seq.request_id in self.streams
+                if not item.request.finished and item.request.request_id in self.streams
             ]
-            tokens = sample(logits[[row for row, _ in live]], [item.seq for _, item in live]) if live else []
+            tokens = (
+                sample(logits[[row for row, _ in live]], [item.request for _, item in live]) if live else []
+            )
             for (_row, item), token in zip(live, tokens, strict=True):
-                output = self._advance(self.streams[item.seq.request_id], token)
+                output = self._advance(self.streams[item.request.request_id], token)
                 if output is not None:
                     outputs.append(output)
             self._update_gauges()

@@ -11,11 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-KV_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+from serve.options import KV_DTYPE_NAMES
+
+KV_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in KV_DTYPE_NAMES}
 
 
 @dataclass(frozen=True)

@@ -72,20 +72,18 @@ class _LayerPlan:
     """A decoder layer's modules, with q/k/v and gate/up fused where their schemes allow."""
 
     def __init__(self, layer: nn.Module) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm = layer.input_layernorm
-        self.post_norm = layer.post_attention_layernorm
-        self.input_eps = _eps(self.input_norm)
-        self.post_eps = _eps(self.post_norm)
-        self.qkv = _Projection([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o = attn.o_proj
-        self.gate_up = _Projection([mlp.gate_proj, mlp.up_proj])
-        self.intermediate = int(mlp.gate_proj.out_features)
-        self.down = mlp.down_proj
-        self.act = mlp.act_fn
+        part = layer.get_submodule
+        input_norm, post_norm = part("input_layernorm"), part("post_attention_layernorm")
+        self.input_weight, self.post_weight = _weight(input_norm), _weight(post_norm)
+        self.input_eps, self.post_eps = _eps(input_norm), _eps(post_norm)
+        self.qkv = _Projection([part("self_attn.q_proj"), part("self_attn.k_proj"), part("self_attn.v_proj")])
+        self.o = part("self_attn.o_proj")
+        self.gate_up = _Projection([part("mlp.gate_proj"), part("mlp.up_proj")])
+        self.down = part("mlp.down_proj")
+        self.act = part("mlp.act_fn")
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.split(self.gate_up(x), self.intermediate, dim=-1)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
 
     def native_projections(self) -> list[list[kernels.Part]] | None:
@@ -93,13 +91,22 @@ class _LayerPlan:
         native step can't run it (a linear that is not int8/int4/bf16/FP32, an activation other than SiLU)."""
         if type(self.act).__name__ not in ("SiLU", "SiLUActivation"):
             return None
-        if any(norm.weight.dtype != torch.float32 for norm in (self.input_norm, self.post_norm)):
+        if any(weight.dtype != torch.float32 for weight in (self.input_weight, self.post_weight)):
             return None
-        projections = [self.qkv.calls, [self.o], self.gate_up.calls, [self.down]]
-        parts = [[decode_part(module) for module in calls] for calls in projections]
-        if any(part is None for calls in parts for part in calls):
-            return None
-        return parts  # type: ignore[return-value]
+        parts: list[list[kernels.Part]] = []
+        for calls in (self.qkv.calls, [self.o], self.gate_up.calls, [self.down]):
+            found = [decode_part(module) for module in calls]
+            if any(part is None for part in found):
+                return None
+            parts.append([part for part in found if part is not None])
+        return parts
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.weight is not a tensor")
+    return weight
 
 
 def _eps(norm: nn.Module) -> float:
@@ -150,14 +157,15 @@ class ModelRunner:
         compile_decode: bool = False,
         batch_invariant: bool = False,
     ) -> None:
-        config = model.config  # type: ignore[attr-defined]
+        config = model.config
         self.model = model
         self.device = torch.device(device)
-        self.embed = model.model.embed_tokens  # type: ignore[union-attr]
-        self.layers = list(model.model.layers)  # type: ignore[union-attr]
-        self.norm = model.model.norm  # type: ignore[union-attr]
-        self.rotary = model.model.rotary_emb  # type: ignore[union-attr]
-        self.lm_head = model.lm_head  # type: ignore[union-attr]
+        self.embed = model.get_submodule("model.embed_tokens")
+        self.layers = list(model.get_submodule("model.layers").children())
+        norm = model.get_submodule("model.norm")
+        self.norm_weight, self.final_eps = _weight(norm), _eps(norm)
+        self.rotary = model.get_submodule("model.rotary_emb")
+        self.lm_head = model.get_submodule("lm_head")
         self.num_heads, self.num_kv_heads, self.head_dim = (
             layout.num_heads,
             layout.num_kv_heads,
@@ -175,11 +183,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_dtype = layout.dtype
         self.plans = [_LayerPlan(layer) for layer in self.layers]
-        self.final_eps = _eps(self.norm)
         self.segments = self._segments() if self._native_attention else [(0, len(self.plans), None)]
-        self._decode_fn: Callable[..., torch.Tensor] | None = None
+        self._decode_fn: Callable[[StepBatch], torch.Tensor] | None = None
         if compile_decode:
-            self._decode_fn = torch.compile(self._decode_forward, dynamic=True)
+            self._decode_fn = torch.compile(self._forward, dynamic=True)
         self.k_cache, self.v_cache = layout.allocate(num_blocks, block_size, self.device)
         self.batch_invariant = batch_invariant
         if batch_invariant:
@@ -197,7 +204,7 @@ class ModelRunner:
                 f"the fused step can't run layers {', '.join(layers)} "
                 "(it runs int8, int4, bf16 and FP32 linears with a SiLU MLP and FP32 norms)"
             )
-        if decode_part(self.lm_head) is None or self.embed.weight.dtype != torch.float32:
+        if decode_part(self.lm_head) is None or _weight(self.embed).dtype != torch.float32:
             problems.append("the embeddings and LM head must be FP32 (load with --dtype float32)")
         if problems:
             raise ValueError(
@@ -215,12 +222,7 @@ class ModelRunner:
             else:
                 start, run = index, kernels.DecodeLayers() if projections is not None else None
             if run is not None and projections is not None:
-                run.add(
-                    plan.input_norm.weight,
-                    plan.post_norm.weight,
-                    (plan.input_eps, plan.post_eps),
-                    projections,
-                )
+                run.add(plan.input_weight, plan.post_weight, (plan.input_eps, plan.post_eps), projections)
             segments.append((start, index + 1, run))
         return segments
 
@@ -256,10 +258,10 @@ class ModelRunner:
         sample_rows: list[int] = []
         row = 0
         for item in ordered:
-            tokens = item.seq.all_ids[item.start : item.start + item.num_new]
+            tokens = item.request.all_ids[item.start : item.start + item.num_new]
             ids.extend(tokens)
             positions.append(torch.arange(item.start, item.start + item.num_new))
-            slots.append(self._slots(item.seq.block_ids, item.start, item.start + item.num_new))
+            slots.append(self._slots(item.request.block_ids, item.start, item.start + item.num_new))
             row += item.num_new
             if item.samples:
                 sample_rows.append(row - 1)
@@ -269,7 +271,7 @@ class ModelRunner:
         bounds: list[list[int]] = [[], []]
         for index, item in enumerate(decodes):
             length = item.start + 1
-            decode_slots[index, :length] = self._slots(item.seq.block_ids, 0, length)
+            decode_slots[index, :length] = self._slots(item.request.block_ids, 0, length)
             first = max(0, length - self.sliding_window) if self.sliding_window is not None else 0
             bounds[0].append(first)
             bounds[1].append(length)
@@ -283,7 +285,7 @@ class ModelRunner:
                 if self.batch_invariant
                 else self._window_mask(torch.arange(item.start, context), torch.arange(context))[None, None]
             )
-            prefill_meta.append((start, end, self._slots(item.seq.block_ids, 0, context), mask))
+            prefill_meta.append((start, end, self._slots(item.request.block_ids, 0, context), mask))
             start = end
         return StepBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -297,17 +299,11 @@ class ModelRunner:
         )
 
     def _attention(
-        self,
-        index: int,
-        q: torch.Tensor,
-        num_decode: int,
-        decode_slots: torch.Tensor,
-        decode_mask: torch.Tensor | None,
-        decode_bounds: torch.Tensor,
-        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+        self, index: int, batch: StepBatch, q: torch.Tensor, decode_mask: torch.Tensor | None
     ) -> torch.Tensor:
         # q: [T, heads, d] -> [T, heads * d]; decode_mask None: decodes read the pool in place (native kernel)
         k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+        num_decode, decode_slots = batch.num_decode, batch.decode_slots
         parts: list[torch.Tensor] = []
         if num_decode and decode_mask is None:
             parts.append(
@@ -316,8 +312,8 @@ class ModelRunner:
                     k_cache,
                     v_cache,
                     decode_slots,
-                    decode_bounds[0],
-                    decode_bounds[1],
+                    batch.decode_bounds[0],
+                    batch.decode_bounds[1],
                     self.scale,
                 )
             )
@@ -337,7 +333,7 @@ class ModelRunner:
                 enable_gqa=True,
             )  # [D, heads, 1, d]
             parts.append(attended.reshape(num_decode, -1))
-        for start, end, slots, mask in prefills:
+        for start, end, slots, mask in batch.prefills:
             keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, kv, ctx, d]
             values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
             if keys.dtype != q.dtype:
@@ -349,116 +345,109 @@ class ModelRunner:
             parts.append(attended[0].transpose(0, 1).reshape(end - start, -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        num_decode: int,
-        decode_slots: torch.Tensor,
-        decode_bounds: torch.Tensor,
-        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
-        sample_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        decode_mask = None
-        if num_decode and not (self._native_attention and not torch.compiler.is_compiling()):
-            keys = torch.arange(decode_slots.shape[1], device=decode_slots.device)
-            first, length = decode_bounds[0, :, None], decode_bounds[1, :, None]
-            decode_mask = ((keys >= first) & (keys < length))[:, None, None, :]  # [D, 1, 1, L]
-        hidden = self.embed(input_ids)  # [T, H]
-        cos, sin = self.rotary(hidden[None], positions[None])
+    def _decode_mask(self, batch: StepBatch) -> torch.Tensor | None:
+        """[D, 1, 1, L] keys each decode attends to, for SDPA; None where the native kernel reads the pool."""
+        if not batch.num_decode or (self._native_attention and not torch.compiler.is_compiling()):
+            return None
+        keys = torch.arange(batch.decode_slots.shape[1], device=batch.decode_slots.device)
+        first, length = batch.decode_bounds[0, :, None], batch.decode_bounds[1, :, None]
+        return ((keys >= first) & (keys < length))[:, None, None, :]
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        hidden = self.embed(batch.input_ids)  # [T, H]
+        cos, sin = self.rotary(hidden[None], batch.positions[None])
         cos, sin = cos[0], sin[0]  # [T, d]
         if self.batch_invariant:
-            hidden = self._rows_forward(
-                hidden, cos, sin, positions, slots, num_decode, decode_slots, prefills
-            )
-            last = _rms_norm(hidden.index_select(0, sample_rows), self.norm.weight, self.final_eps)
+            hidden = self._rows_forward(batch, hidden, cos, sin)
+            last = _rms_norm(hidden.index_select(0, batch.sample_rows), self.norm_weight, self.final_eps)
             return self._rows_head(last)
-        fused = self._fuses(hidden.shape[0], bool(prefills)) and hidden.dtype == torch.float32
+        decode_mask = self._decode_mask(batch)
+        fused = self._fuses(hidden.shape[0], bool(batch.prefills)) and hidden.dtype == torch.float32
         for start, end, native_run in self.segments:
             if fused and native_run is not None:
-                hidden = kernels.decode_layers(
+                hidden = self._native_layers(
+                    slice(start, end),
+                    native_run,
                     hidden,
                     cos,
                     sin,
-                    native_run,
-                    self.k_cache[start:end],
-                    self.v_cache[start:end],
-                    slots,
-                    decode_slots,
-                    decode_bounds[0],
-                    decode_bounds[1],
-                    self.num_heads,
-                    self.num_kv_heads,
-                    self.scale,
+                    batch.slots,
+                    batch.decode_slots,
+                    batch.decode_bounds[0],
+                    batch.decode_bounds[1],
                 )
                 continue
             for index in range(start, end):
-                hidden = self._layer(
-                    index,
-                    hidden,
-                    cos,
-                    sin,
-                    slots,
-                    num_decode,
-                    decode_slots,
-                    decode_mask,
-                    decode_bounds,
-                    prefills,
-                )
-        last = _rms_norm(hidden.index_select(0, sample_rows), self.norm.weight, self.final_eps)
+                hidden = self._layer(index, batch, hidden, cos, sin, decode_mask)
+        last = _rms_norm(hidden.index_select(0, batch.sample_rows), self.norm_weight, self.final_eps)
         return self._head(last)
 
-    def _layer(
+    def _native_layers(
         self,
-        index: int,
+        layers: slice,
+        run: kernels.DecodeLayers,
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         slots: torch.Tensor,
-        num_decode: int,
-        decode_slots: torch.Tensor,
+        context: torch.Tensor,
+        starts: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:
+        """LAYERS in one fused native call: rows [R, H] with their RoPE, the slots their new KV goes to, and the
+        context slots [R, L] each row attends to, keys starts..lengths-1."""
+        return kernels.decode_layers(
+            hidden,
+            cos,
+            sin,
+            run,
+            self.k_cache[layers],
+            self.v_cache[layers],
+            slots,
+            context,
+            starts,
+            lengths,
+            self.num_heads,
+            self.num_kv_heads,
+            self.scale,
+        )
+
+    def _layer(
+        self,
+        index: int,
+        batch: StepBatch,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         decode_mask: torch.Tensor | None,
-        decode_bounds: torch.Tensor,
-        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         plan = self.plans[index]
         tokens = hidden.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         rotated = heads + kv_heads
-        qkv = plan.qkv(_rms_norm(hidden, plan.input_norm.weight, plan.input_eps))
+        qkv = plan.qkv(_rms_norm(hidden, plan.input_weight, plan.input_eps))
         qk = qkv[:, : rotated * head_dim].reshape(tokens, rotated, head_dim)
         qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]  # RoPE on q and k heads in one pass
         k = qk[:, heads:]
         v = qkv[:, rotated * head_dim :].reshape(tokens, kv_heads, head_dim)
         if k.dtype != self.kv_dtype:
             k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
-        self.k_cache[index].index_copy_(0, slots, k)
-        self.v_cache[index].index_copy_(0, slots, v)
-        attended = self._attention(
-            index, qk[:, :heads], num_decode, decode_slots, decode_mask, decode_bounds, prefills
-        )
+        self.k_cache[index].index_copy_(0, batch.slots, k)
+        self.v_cache[index].index_copy_(0, batch.slots, v)
+        attended = self._attention(index, batch, qk[:, :heads], decode_mask)
         hidden = hidden + plan.o(attended)
-        return hidden + plan.mlp(_rms_norm(hidden, plan.post_norm.weight, plan.post_eps))
+        return hidden + plan.mlp(_rms_norm(hidden, plan.post_weight, plan.post_eps))
 
     def _rows_forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        num_decode: int,
-        decode_slots: torch.Tensor,
-        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+        self, batch: StepBatch, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         """All layers for every row of the step (batch-invariant mode), `kernels.max_rows()` rows per fused
         native call. A row attends to keys 0..its position (the window's start with a sliding window) of its
-        sequence, which earlier calls, or earlier rows of the same call, have written to the pool.
-        hidden [T, H], cos/sin [T, d], positions/slots [T] -> hidden [T, H] after the last layer."""
+        request, which earlier calls, or earlier rows of the same call, have written to the pool.
+        hidden [T, H], cos/sin [T, d] -> hidden [T, H] after the last layer."""
         run = self.segments[0][2]
         assert run is not None and len(self.segments) == 1, "checked by _check_invariant"
-        lengths = positions + 1  # [T]
+        lengths = batch.positions + 1  # [T]
         starts = (
             (lengths - self.sliding_window).clamp(min=0)
             if self.sliding_window is not None
@@ -467,57 +456,31 @@ class ModelRunner:
         step = kernels.max_rows()
         out: list[torch.Tensor] = []
         for first in range(0, hidden.shape[0], step):
-            last = min(first + step, hidden.shape[0])
-            context = self._row_context(
-                first, last, int(lengths[first:last].max()), num_decode, decode_slots, prefills
-            )
+            rows = slice(first, min(first + step, hidden.shape[0]))
+            context = _row_context(batch, rows, int(lengths[rows].max()))
             out.append(
-                kernels.decode_layers(
-                    hidden[first:last],
-                    cos[first:last],
-                    sin[first:last],
+                self._native_layers(
+                    slice(None),
                     run,
-                    self.k_cache,
-                    self.v_cache,
-                    slots[first:last],
+                    hidden[rows],
+                    cos[rows],
+                    sin[rows],
+                    batch.slots[rows],
                     context,
-                    starts[first:last],
-                    lengths[first:last],
-                    self.num_heads,
-                    self.num_kv_heads,
-                    self.scale,
+                    starts[rows],
+                    lengths[rows],
                 )
             )
         return torch.cat(out) if len(out) > 1 else out[0]
-
-    @staticmethod
-    def _row_context(
-        first: int,
-        last: int,
-        width: int,
-        num_decode: int,
-        decode_slots: torch.Tensor,
-        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """Context slots [last - first, width] of rows first..last-1: a decode's own, or its prefill's."""
-        context = torch.zeros(last - first, width, dtype=torch.int64)
-        if first < num_decode:
-            rows = decode_slots[first : min(last, num_decode)]
-            used = min(width, rows.shape[1])
-            context[: rows.shape[0], :used] = rows[:, :used]
-        for start, end, item_slots, _mask in prefills:
-            lo, hi = max(start, first), min(end, last)
-            if lo < hi:
-                used = min(width, item_slots.shape[0])
-                context[lo - first : hi - first, :used] = item_slots[:used]
-        return context
 
     def _rows_head(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head through the native kernel, `kernels.max_rows()` rows at a time: a row's logits don't
         depend on the other rows (batch-invariant mode)."""
         if x.shape[0] == 0:
             return self._head(x)
-        weight, scale, bias, zero_point = decode_part(self.lm_head)  # type: ignore[misc]
+        head = decode_part(self.lm_head)
+        assert head is not None, "checked by _check_invariant"
+        weight, scale, bias, zero_point = head
         rows = x.split(kernels.max_rows())
         return torch.cat([kernels.linear(r, weight, scale, bias, zero_point) for r in rows])
 
@@ -533,26 +496,6 @@ class ModelRunner:
             return head(x)
         logits = torch.mm(head.weight, x.t()).t()
         return logits + head.bias if head.bias is not None else logits
-
-    def _decode_forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        decode_slots: torch.Tensor,
-        decode_bounds: torch.Tensor,
-        sample_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        return self._forward(
-            input_ids,
-            positions,
-            slots,
-            int(decode_slots.shape[0]),
-            decode_slots,
-            decode_bounds,
-            [],
-            sample_rows,
-        )
 
     def _fuses(self, num_rows: int, has_prefills: bool) -> bool:
         """Whether a step's native segments run as fused decode steps: decodes only, at most
@@ -574,7 +517,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Run a prepared step; returns logits [S, vocab] for the items that sample, in schedule order (decodes
-        first, then prefills). `prepare` reads the sequences' block tables, so the engine calls it under its
+        first, then prefills). `prepare` reads the requests' block tables, so the engine calls it under its
         lock (a concurrent abort frees blocks); `run` only touches tensors and can run without it."""
         device = self.device
         if device.type != "cpu":
@@ -586,37 +529,35 @@ class ModelRunner:
             and not self.fused_covers(batch)
         ):
             try:
-                logits = self._decode_fn(
-                    batch.input_ids,
-                    batch.positions,
-                    batch.slots,
-                    batch.decode_slots,
-                    batch.decode_bounds,
-                    batch.sample_rows,
-                )
-                return logits.to(torch.float32)
+                return self._decode_fn(batch).to(torch.float32)
             except Exception as error:  # a compiler failure must not take serving down
                 warnings.warn(
                     f"torch.compile of the decode step failed, decoding eagerly: {error}", stacklevel=2
                 )
                 self._decode_fn = None
-        logits = self._forward(
-            batch.input_ids,
-            batch.positions,
-            batch.slots,
-            batch.num_decode,
-            batch.decode_slots,
-            batch.decode_bounds,
-            batch.prefills,
-            batch.sample_rows,
-        )
-        return logits.to(torch.float32)
+        return self._forward(batch).to(torch.float32)
 
     def ordered(self, items: list[Scheduled]) -> list[Scheduled]:
         """The items that sample, in the order `run` returns their logits."""
         return [i for i in items if i.num_new == 1 and i.samples] + [
             i for i in items if i.num_new > 1 and i.samples
         ]
+
+
+def _row_context(batch: StepBatch, rows: slice, width: int) -> torch.Tensor:
+    """Context slots [rows, width] of a batch-invariant step's ROWS: a decode's own, or its prefill's."""
+    first, last = rows.start, rows.stop
+    context = torch.zeros(last - first, width, dtype=torch.int64)
+    if first < batch.num_decode:
+        decodes = batch.decode_slots[first : min(last, batch.num_decode)]
+        used = min(width, decodes.shape[1])
+        context[: decodes.shape[0], :used] = decodes[:, :used]
+    for start, end, slots, _mask in batch.prefills:
+        lo, hi = max(start, first), min(end, last)
+        if lo < hi:
+            used = min(width, slots.shape[0])
+            context[lo - first : hi - first, :used] = slots[:used]
+    return context
 
 
 def _to_device(batch: StepBatch, device: torch.device) -> StepBatch:

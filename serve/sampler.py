@@ -13,16 +13,16 @@ import hashlib
 
 import torch
 
-from serve.sequence import Sequence
+from serve.request import Request
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits [S, vocab] float32, one row per sequence -> next token ids."""
-    if all(s.params.greedy for s in seqs):
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """logits [S, vocab] float32, one row per request -> next token ids."""
+    if all(s.params.greedy for s in requests):
         return logits.argmax(dim=-1).tolist()
     tokens = []
-    for row, seq in enumerate(seqs):
-        params = seq.params
+    for row, request in enumerate(requests):
+        params = request.params
         if params.greedy:
             tokens.append(int(logits[row].argmax()))
             continue
@@ -38,9 +38,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             ordered = ordered.masked_fill(drop, float("-inf"))
             scores = torch.full_like(scores, float("-inf")).scatter(0, order, ordered)
         probs = torch.softmax(scores, dim=-1)
-        assert seq.generator is not None
-        seq.generator.manual_seed(token_seed(seq.seed, seq.sample_offset + len(seq.output_ids)))
-        tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
+        assert request.generator is not None
+        request.generator.manual_seed(
+            token_seed(request.seed, request.sample_offset + len(request.output_ids))
+        )
+        tokens.append(int(torch.multinomial(probs, 1, generator=request.generator)))
     return tokens
 
 

@@ -1,12 +1,12 @@
 """Iteration-level (continuous) batching over the paged KV pool.
 
 Every step the scheduler builds one batch under a token budget:
-1. Running sequences first, oldest first: a decoding sequence needs one token, a sequence still in prefill
+1. Running requests first, oldest first: a decoding request needs one token, a request still in prefill
    gets the next chunk of its prompt. Decodes are cheap and always go first, so a long prompt arriving never
    stalls the streams already running; its prefill is spread over several steps (chunked prefill).
 2. Waiting requests are admitted in priority order (lower `priority` first, FCFS within a class) while the
    budget and `max_num_seqs` allow, after reusing any cached prefix blocks.
-When the pool cannot give a running sequence its next block, the *newest* running sequence is preempted:
+When the pool cannot give a running request its next block, the *newest* running request is preempted:
 its blocks are freed and it goes back to the head of its class in the queue, to be recomputed later (cheaply,
 if its prefix blocks are still cached). Admission never preempts: a new request simply waits.
 
@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from serve.block_pool import BlockPool, PrefixKey
-from serve.sequence import Sequence, Status
+from serve.request import Request, Status
 
-# fetch(seq, keys) -> block ids holding the KV of the leading keys (fresh, ref 1, registered); may be shorter
-Fetch = Callable[[Sequence, list[PrefixKey]], list[int]]
-OnRegister = Callable[[Sequence, int, PrefixKey], None]
+# fetch(request, keys) -> block ids holding the KV of the leading keys (fresh, ref 1, registered); may be shorter
+Fetch = Callable[[Request, list[PrefixKey]], list[int]]
+OnRegister = Callable[[Request, int, PrefixKey], None]
 
 
 @dataclass(frozen=True)
@@ -41,20 +41,20 @@ class SchedulerConfig:
 
 @dataclass
 class Scheduled:
-    seq: Sequence
+    request: Request
     start: int  # tokens already in the KV cache before this step
     num_new: int  # tokens computed this step
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the sequence's last token, so a next token is sampled."""
-        return self.start + self.num_new == self.seq.num_tokens
+        """Whether this step reaches the request's last token, so a next token is sampled."""
+        return self.start + self.num_new == self.request.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -73,8 +73,8 @@ class Scheduler:
         self.pool = pool
         self.fetch = fetch
         self.on_register = on_register
-        self.waiting: list[tuple[tuple[int, int], Sequence]] = []
-        self.running: list[Sequence] = []
+        self.waiting: list[tuple[tuple[int, int], Request]] = []
+        self.running: list[Request] = []
         self._arrivals = 0
         self.num_preemptions = 0
 
@@ -85,102 +85,107 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> bool:
+    def add(self, request: Request) -> bool:
         """Queue a request; False when the waiting queue is full (back-pressure)."""
         if len(self.waiting) >= self.config.max_queue:
             return False
-        seq.arrival_index = self._arrivals
+        request.arrival_index = self._arrivals
         self._arrivals += 1
-        seq.status = Status.WAITING
-        heapq.heappush(self.waiting, (seq.sort_key(), seq))
+        request.status = Status.WAITING
+        heapq.heappush(self.waiting, (request.sort_key(), request))
         return True
 
-    def _blocks_needed(self, seq: Sequence, tokens: int) -> int:
-        return -(-tokens // self.config.block_size) - len(seq.block_ids)
+    def _blocks_needed(self, request: Request, tokens: int) -> int:
+        return -(-tokens // self.config.block_size) - len(request.block_ids)
 
-    def _grow(self, seq: Sequence, tokens: int) -> bool:
-        need = self._blocks_needed(seq, tokens)
+    def _grow(self, request: Request, tokens: int) -> bool:
+        need = self._blocks_needed(request, tokens)
         if need <= 0:
             return True
         blocks = self.pool.allocate(need)
         if blocks is None:
             return False
-        seq.block_ids.extend(blocks)
+        request.block_ids.extend(blocks)
         return True
 
-    def _release(self, seq: Sequence) -> None:
-        if seq.block_ids:
-            self.pool.free(seq.block_ids)
-        seq.block_ids = []
-        seq.num_computed = 0
-        seq.num_registered = 0
+    def _release(self, request: Request) -> None:
+        if request.block_ids:
+            self.pool.free(request.block_ids)
+        request.block_ids = []
+        request.num_computed = 0
+        request.num_registered = 0
 
-    def preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self._release(seq)
-        seq.status = Status.WAITING
-        seq.num_preemptions += 1
+    def preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.status = Status.WAITING
+        request.num_preemptions += 1
         self.num_preemptions += 1
-        heapq.heappush(self.waiting, (seq.sort_key(), seq))
+        heapq.heappush(self.waiting, (request.sort_key(), request))
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, request: Request, reason: str) -> None:
         """Mark finished and free its blocks now (also for aborts and timeouts)."""
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is Status.WAITING:
-            self.waiting = [(k, s) for k, s in self.waiting if s is not seq]
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        elif request.status is Status.WAITING:
+            self.waiting = [(k, s) for k, s in self.waiting if s is not request]
             heapq.heapify(self.waiting)
-        self._release(seq)
-        seq.status = Status.FINISHED
-        seq.finish_reason = reason
+        self._release(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
-        for seq in list(self.running):
+        for request in list(self.running):
             if budget <= 0:
                 break
-            if seq not in self.running:  # preempted earlier in this loop
+            if request not in self.running:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_uncomputed, budget)
-            while not self._grow(seq, seq.num_computed + num_new):
+            num_new = min(request.num_uncomputed, budget)
+            while not self._grow(request, request.num_computed + num_new):
                 victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
                 if victim is None:
                     break
                 self.preempt(victim)
                 out.preempted.append(victim)
-                if victim is seq:
+                if victim is request:
                     break
-            if seq not in self.running or self._blocks_needed(seq, seq.num_computed + num_new) > 0:
+            if (
+                request not in self.running
+                or self._blocks_needed(request, request.num_computed + num_new) > 0
+            ):
                 continue
-            out.scheduled.append(Scheduled(seq, seq.num_computed, num_new))
-            scheduled_ids.add(id(seq))
+            out.scheduled.append(Scheduled(request, request.num_computed, num_new))
+            scheduled_ids.add(id(request))
             budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            _key, seq = self.waiting[0]
-            tokens = seq.all_ids
+            _key, request = self.waiting[0]
+            tokens = request.all_ids
             cacheable = (len(tokens) - 1) // self.config.block_size
-            keys = seq.keys(self.config.block_size)[:cacheable]
+            keys = request.keys(self.config.block_size)[:cacheable]
             hits = self.pool.lookup(keys)
             self.pool.share(hits)
             loaded = (
-                self.fetch(seq, keys[len(hits) :]) if self.fetch is not None and len(hits) < len(keys) else []
+                self.fetch(request, keys[len(hits) :])
+                if self.fetch is not None and len(hits) < len(keys)
+                else []
             )
-            seq.block_ids = [*hits, *loaded]
-            seq.num_computed = len(seq.block_ids) * self.config.block_size
-            seq.num_registered = len(seq.block_ids)
-            num_new = min(seq.num_uncomputed, budget)
-            if not self._grow(seq, seq.num_computed + num_new):
-                self._release(seq)
+            request.block_ids = [*hits, *loaded]
+            request.num_computed = len(request.block_ids) * self.config.block_size
+            request.num_registered = len(request.block_ids)
+            num_new = min(request.num_uncomputed, budget)
+            if not self._grow(request, request.num_computed + num_new):
+                self._release(request)
                 break
             heapq.heappop(self.waiting)
-            if seq.output_ids == [] and seq.num_preemptions == 0:
-                seq.cached_prompt_tokens = seq.num_computed
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(Scheduled(seq, seq.num_computed, num_new))
-            scheduled_ids.add(id(seq))
+            if request.output_ids == [] and request.num_preemptions == 0:
+                request.cached_prompt_tokens = request.num_computed
+            request.status = Status.RUNNING
+            self.running.append(request)
+            out.scheduled.append(Scheduled(request, request.num_computed, num_new))
+            scheduled_ids.add(id(request))
             budget -= num_new
         return out
 
@@ -188,21 +193,21 @@ class Scheduler:
         """After the model ran: advance progress and publish newly full blocks to the prefix cache."""
         size = self.config.block_size
         for item in out.scheduled:
-            seq = item.seq
-            if seq.finished:
+            request = item.request
+            if request.finished:
                 continue
-            seq.num_computed = item.start + item.num_new
-            full = seq.num_computed // size
-            if full > seq.num_registered:
-                keys = seq.keys(size)
-                for index in range(seq.num_registered, full):
-                    self.pool.register(seq.block_ids[index], keys[index])
+            request.num_computed = item.start + item.num_new
+            full = request.num_computed // size
+            if full > request.num_registered:
+                keys = request.keys(size)
+                for index in range(request.num_registered, full):
+                    self.pool.register(request.block_ids[index], keys[index])
                     if self.on_register is not None:
-                        self.on_register(seq, seq.block_ids[index], keys[index])
-                seq.num_registered = full
+                        self.on_register(request, request.block_ids[index], keys[index])
+                request.num_registered = full
 
     def kv_waste(self) -> tuple[int, int]:
-        """(slots held by running sequences, of which unused): only a sequence's last block can be partly empty,
+        """(slots held by running requests, of which unused): only a request's last block can be partly empty,
         since shared prefix blocks are full by construction."""
         size = self.config.block_size
         held = {b for s in self.running for b in s.block_ids}

@@ -40,14 +40,14 @@ class DecodeConfig:
     repeats: int = 3
     seed: int = 0
     compile: bool = False
-    prefill_dtype: str = "float32"  # the artifact's prefill GEMMs (quantize.runtime.modules.PREFILL_DTYPES)
+    prefill_dtype: str = "float32"  # the artifact's prefill GEMMs (quantize.runtime.precision)
 
     def validate(self) -> None:
-        from quantize.runtime.modules import PREFILL_DTYPES
+        from quantize.runtime.precision import PREFILL_DTYPE_NAMES
 
-        if self.prefill_dtype not in PREFILL_DTYPES:
+        if self.prefill_dtype not in PREFILL_DTYPE_NAMES:
             raise QpackError(
-                f"--prefill-dtype must be one of {', '.join(PREFILL_DTYPES)} (got {self.prefill_dtype!r})"
+                f"--prefill-dtype must be one of {', '.join(PREFILL_DTYPE_NAMES)} (got {self.prefill_dtype!r})"
             )
 
 
@@ -97,7 +97,7 @@ class _Artifact:
     ) -> None:
         from serve.engine import EngineConfig
         from serve.kv_cache import KVLayout
-        from serve.server import build_engine, load_for_serving
+        from serve.loading import build_engine, load_for_serving
 
         loaded = load_for_serving(path)  # as `qpack serve` loads it
         self.model = loaded.model
@@ -120,7 +120,7 @@ class _Artifact:
         self.name += " (compiled)" if compile_decode else ""
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-        from serve.sequence import SamplingParams
+        from serve.request import SamplingParams
 
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         first: dict[str, float] = {}
@@ -145,7 +145,7 @@ class _Artifact:
         """Where one batch-1 decode step's time goes."""
         from torch.profiler import ProfilerActivity, profile
 
-        from serve.sequence import SamplingParams
+        from serve.request import SamplingParams
 
         prompt = _random_prompts(1, _PROFILE_PROMPT, vocab, 123)[0]
         self.engine.add(
@@ -206,10 +206,15 @@ class _Artifact:
 
 class _Reference:
     def __init__(self, spec: str) -> None:
+        from transformers import GenerationMixin
+
         from quantize.model.sources import load_model, resolve_model
 
         source = resolve_model(spec)
-        self.model = load_model(source)
+        model = load_model(source)
+        if not isinstance(model, GenerationMixin):
+            raise TypeError(f"the reference runs `generate`, which {type(model).__name__} lacks")
+        self.model = model
         self.name = f"{source.model_id} (FP32, HF generate)"
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:

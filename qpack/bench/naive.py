@@ -26,6 +26,10 @@ class NaiveGenerator:
     """One `generate` call per request, one request at a time (the lock), streamed or whole."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str) -> None:
+        from transformers import GenerationMixin
+
+        if not isinstance(model, GenerationMixin):
+            raise TypeError(f"the naive server runs `generate`, which {type(model).__name__} lacks")
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.lock = asyncio.Lock()
 

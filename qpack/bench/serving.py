@@ -59,11 +59,11 @@ class ServeBenchConfig:
             raise QpackError(
                 f"--url {self.url} is not a loopback address; the load generator only targets this machine"
             )
-        from quantize.runtime.modules import PREFILL_DTYPES
+        from quantize.runtime.precision import PREFILL_DTYPE_NAMES
 
-        if self.prefill_dtype not in PREFILL_DTYPES:
+        if self.prefill_dtype not in PREFILL_DTYPE_NAMES:
             raise QpackError(
-                f"--prefill-dtype must be one of {', '.join(PREFILL_DTYPES)} (got {self.prefill_dtype!r})"
+                f"--prefill-dtype must be one of {', '.join(PREFILL_DTYPE_NAMES)} (got {self.prefill_dtype!r})"
             )
 
 
@@ -256,7 +256,7 @@ def _tokenizer_and_reference(config: ServeBenchConfig) -> tuple[Any, str]:
 
 
 def _start_servers(config: ServeBenchConfig, reference_model: str) -> dict[str, ServerProcess]:
-    from serve.server import free_port
+    from serve.http import free_port
 
     servers: dict[str, ServerProcess] = {}
     if config.url is None:

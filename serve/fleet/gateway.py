@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from serve.fleet import protocol as P
 from serve.fleet.reader import ResponseReader
 from serve.openai import render
+from serve.openai.answers import Piece, disconnected, sse_events
 from serve.openai.protocol import ApiError, GenerationRequest, parse_json, parse_request
 from serve.openai.routes import Guard, ServerInfo, error_response
 
@@ -84,10 +85,10 @@ class Gateway:
         cached_at, workers = self._workers
         if time.monotonic() - cached_at < 0.5:
             return workers
-        ids = [v.decode() for v in await self.redis.hkeys(P.WORKERS)]
+        ids = [P.text(v) for v in await self.redis.hkeys(P.WORKERS)]
         pipe = self.redis.pipeline()
-        for worker in ids:
-            pipe.hgetall(P.worker_key(worker))
+        for worker_id in ids:
+            pipe.hgetall(P.worker_key(worker_id))
         found = [P.WorkerInfo.parse(fields) for fields in await pipe.execute()]
         now = time.time()
         workers = [w for w in found if w is not None and now - w.last_seen < 5.0]
@@ -142,7 +143,7 @@ class Gateway:
         models = sorted({w.model for w in workers})
         model = body.get("model") or (models[0] if len(models) == 1 else None)
         serving = [w for w in workers if w.model == model]
-        if not serving:
+        if not serving or not isinstance(model, str):
             name = model or "any model"
             raise ApiError(
                 503,
@@ -354,7 +355,7 @@ async def _respond(gateway: Gateway, request: Request, chat: bool) -> Response:
                 fleet_request,
                 stream,
                 render.Chunks(fleet_request.request_id, chat, created, fleet_request.model),
-                parsed,
+                parsed.include_usage,
             ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", **headers},
@@ -396,7 +397,7 @@ async def _whole(
     """A non-streaming answer; a client that goes away cancels the request on its worker."""
     text: list[str] = []
     reader = asyncio.ensure_future(_collect(stream, text))
-    gone = asyncio.ensure_future(_disconnect(request))
+    gone = asyncio.ensure_future(disconnected(request))
     await asyncio.wait({reader, gone}, return_when=asyncio.FIRST_COMPLETED)
     if not reader.done():
         reader.cancel()
@@ -451,38 +452,30 @@ async def _collect(stream: AsyncIterator[P.Chunk], text: list[str]) -> P.Chunk:
     return P.Chunk("error", status=500, error={"message": "the answer ended early", "type": "server_error"})
 
 
-async def _disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _events(
+def _events(
     gateway: Gateway,
     fleet_request: P.FleetRequest,
     stream: AsyncIterator[P.Chunk],
     chunks: render.Chunks,
-    parsed: GenerationRequest,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
-    finished = False
-    try:
-        if parsed.chat:
-            yield chunks.role()
+    """The SSE stream of a fleet answer; each outcome counted once, a client that goes away cancels the request
+    on its worker."""
+
+    async def pieces() -> AsyncIterator[Piece]:
         async for chunk in stream:
-            if chunk.kind == "delta" and chunk.text:
-                yield chunks.delta(chunk.text, None)
+            if chunk.kind == "delta":
+                yield Piece(chunk.text)
             elif chunk.kind == "done":
-                finished = True
-                yield chunks.delta(chunk.text, chunk.finish_reason)
-                if parsed.include_usage and chunk.usage:
-                    yield chunks.usage_event(chunk.usage)
                 gateway.metrics.requests.labels(outcome="200").inc()
-                break
+                yield Piece(chunk.text, True, chunk.finish_reason, chunk.usage)
+                return
             elif chunk.kind == "error":
-                finished = True
-                yield chunks.delta(None, "error")
                 gateway.metrics.requests.labels(outcome=str(chunk.status)).inc()
-                break
-        yield render.DONE
-    finally:
-        if not finished:
-            await gateway.cancel(fleet_request)
+                yield Piece(None, True, "error")
+                return
+
+    async def abandon() -> None:
+        await gateway.cancel(fleet_request)
+
+    return sse_events(pieces(), chunks, include_usage, abandon)

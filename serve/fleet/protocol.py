@@ -28,12 +28,38 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, FieldT
+
+Fields = dict[bytes | str, bytes | str]  # a stream entry's or a hash's fields, as redis-py reads them
 
 PREFIX = "qpack:"
 GROUP = "workers"
 WORKERS = PREFIX + "workers"
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def entries(found: Iterable[tuple[bytes | str | None, Fields | None]]) -> Iterator[tuple[str, Fields]]:
+    """(entry id, fields) of the entries of an XRANGE, XAUTOCLAIM or one stream of an XREAD reply; an entry
+    deleted since it was delivered has no fields and is skipped."""
+    for entry_id, fields in found:
+        if entry_id is not None and fields:
+            yield text(entry_id), fields
+
+
+def stream_entries(reply: Any) -> Iterator[tuple[str, str, Fields]]:
+    """(stream, entry id, fields) of an XREAD or XREADGROUP reply: [[stream, entries], ...] (RESP2, which the
+    fleet's clients speak; redis-py types the reply as either protocol's shape), None when the read timed out."""
+    for stream, found in reply or []:
+        for entry_id, fields in entries(found):
+            yield text(stream), entry_id, fields
 
 
 def worker_key(worker_id: str) -> str:
@@ -71,18 +97,18 @@ class FleetRequest:
     session: str | None = None
     created: float = field(default_factory=time.time)
 
-    def encode(self) -> dict[str, str]:
+    def encode(self) -> dict[FieldT, EncodableT]:
         return {"request": json.dumps(asdict(self))}
 
     @classmethod
-    def decode(cls, fields: dict[bytes | str, bytes | str]) -> FleetRequest:
+    def decode(cls, fields: Fields) -> FleetRequest:
         raw = fields.get(b"request", fields.get("request"))
         if isinstance(raw, bytes):
             raw = raw.decode()
         return cls(**json.loads(str(raw)))
 
 
-def forget_entry(user: str | None, session_id: str | None) -> dict[str, str]:
+def forget_entry(user: str | None, session_id: str | None) -> dict[FieldT, EncodableT]:
     return {"forget": json.dumps({"user": user, "session_id": session_id})}
 
 
@@ -106,7 +132,7 @@ class Chunk:
     attempt: int = 1
     ids: list[int] | None = None  # the token ids this delta (or the last one, in `done`) adds
 
-    def encode(self) -> dict[str, str]:
+    def encode(self) -> dict[FieldT, EncodableT]:
         return {
             "chunk": json.dumps(
                 {k: v for k, v in asdict(self).items() if v not in (None, "", 0) or k == "tokens"}
@@ -114,7 +140,7 @@ class Chunk:
         }
 
     @classmethod
-    def decode(cls, fields: dict[bytes | str, bytes | str]) -> Chunk:
+    def decode(cls, fields: Fields) -> Chunk:
         raw = fields.get(b"chunk", fields.get("chunk"))
         if isinstance(raw, bytes):
             raw = raw.decode()
@@ -171,13 +197,13 @@ class WorkerInfo:
     def room(self) -> int:
         return max(0, self.capacity - self.load)
 
-    def fields(self) -> dict[str, str]:
+    def fields(self) -> dict[FieldT, EncodableT]:
         return {k: str(v) for k, v in asdict(self).items()}
 
     @classmethod
-    def parse(cls, fields: dict[bytes, bytes]) -> WorkerInfo | None:
+    def parse(cls, fields: Fields) -> WorkerInfo | None:
         try:
-            data = {k.decode(): v.decode() for k, v in fields.items()}
+            data = {text(k): text(v) for k, v in fields.items()}
             return cls(
                 data["worker_id"],
                 data["model"],

@@ -15,7 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from serve.fleet import protocol as P
+
+if TYPE_CHECKING:
+    from redis.typing import KeyT, StreamIdT
 
 _log = logging.getLogger("qpack.fleet")
 
@@ -23,7 +28,7 @@ _log = logging.getLogger("qpack.fleet")
 @dataclass
 class _Subscription:
     last: bytes = b"0-0"
-    entries: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    entries: asyncio.Queue[P.Fields] = field(default_factory=asyncio.Queue)
 
 
 class ResponseReader:
@@ -68,8 +73,8 @@ class ResponseReader:
     def close(self, stream: str) -> None:
         self.streams.pop(stream, None)
 
-    async def next(self, stream: str, timeout: float) -> tuple[bytes, dict[bytes, bytes]] | None:
-        """The stream's next entry, or None when `timeout` seconds pass first."""
+    async def next(self, stream: str, timeout: float) -> P.Fields | None:
+        """The fields of the stream's next entry, or None when `timeout` seconds pass first."""
         try:
             return await asyncio.wait_for(self.streams[stream].entries.get(), timeout)
         except TimeoutError:
@@ -103,18 +108,15 @@ class ResponseReader:
         if self.client_id is None:
             self.client_id = int(await self.connection.client_id())
         self._changed.clear()
-        wanted = {name: sub.last for name, sub in self.streams.items()}
+        wanted: dict[KeyT, StreamIdT] = {name: sub.last for name, sub in self.streams.items()}
         self._generation += 1
         self._blocked = True
         try:
-            reply = await self.connection.xread(wanted, block=self.block_ms, count=256)  # type: ignore[arg-type]
+            reply = await self.connection.xread(wanted, block=self.block_ms, count=256)
         finally:
             self._blocked = False
-        for raw_stream, entries in reply or []:
-            name = raw_stream.decode() if isinstance(raw_stream, bytes) else raw_stream
+        for name, entry_id, fields in P.stream_entries(reply):
             sub = self.streams.get(name)
-            if sub is None:
-                continue
-            for entry_id, fields in entries:
-                sub.last = entry_id if isinstance(entry_id, bytes) else entry_id.encode()
+            if sub is not None:
+                sub.last = entry_id.encode()
                 sub.entries.put_nowait(fields)

@@ -1,18 +1,28 @@
 """Starting fleet roles: a gateway, a worker, or both on one machine (`--role all`: a gateway here and
-`--workers N` worker processes beside it). Redis must answer at start (exit 2 with one line otherwise); later
-outages are waited out by every role."""
+`--workers N` worker processes beside it, each started as `python -m serve.fleet.worker_process` with its own
+options). Redis must answer at start (exit 2 with one line otherwise); later outages are waited out by every
+role."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
 
 from quantize.common.errors import QpackError
+from serve.fleet.gateway import Gateway, GatewayConfig, create_gateway_app
+from serve.fleet.worker import FleetWorker, WorkerConfig
+from serve.http import BackgroundServer, serve_app
+from serve.loading import start_engine
+from serve.openai.routes import ServerInfo
+from serve.options import ServeOptions
 
 
 def check_redis(url: str) -> None:
@@ -28,24 +38,26 @@ def check_redis(url: str) -> None:
         ) from None
 
 
-def run_gateway(options: Any, info: Any, log: Callable[[str], None]) -> None:
-    from serve.fleet.gateway import Gateway, GatewayConfig, create_gateway_app
-    from serve.server import serve_app
+def _redis_url(options: ServeOptions) -> str:
+    assert options.redis, "checked by ServeOptions.validate"
+    return options.redis
 
-    check_redis(options.redis)
-    gateway = Gateway(GatewayConfig(options.redis, options.max_queue, options.request_timeout, info))
-    log(f"qpack fleet gateway on http://{options.host}:{options.port} (queue: {options.redis})")
+
+def run_gateway(options: ServeOptions, info: ServerInfo, log: Callable[[str], None]) -> None:
+    url = _redis_url(options)
+    check_redis(url)
+    gateway = Gateway(GatewayConfig(url, options.max_queue, options.request_timeout, info))
+    log(f"qpack fleet gateway on http://{options.host}:{options.port} (queue: {url})")
     serve_app(create_gateway_app(gateway), options.host, options.port)
 
 
-def run_worker(options: Any, engine: Any, loaded: Any, log: Callable[[str], None]) -> None:
+def run_worker(options: ServeOptions, log: Callable[[str], None]) -> None:
     """The engine behind Redis until SIGTERM/SIGINT; `/health` and `/metrics` on --port."""
-    from serve.fleet.worker import FleetWorker, WorkerConfig
-    from serve.server import BackgroundServer, worker_app
-
-    check_redis(options.redis)
+    url = _redis_url(options)
+    check_redis(url)
+    loaded, engine = start_engine(options, log)
     config = WorkerConfig(
-        options.redis,
+        url,
         loaded.name,
         loaded.version,
         loaded.content_hash,
@@ -56,33 +68,54 @@ def run_worker(options: Any, engine: Any, loaded: Any, log: Callable[[str], None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_args: stop.set())
-    log(f"qpack fleet worker {config.worker_id}: {loaded.name} v{loaded.version} (queue: {options.redis})")
-    with BackgroundServer(worker_app(engine, worker), port=options.port, host=options.host):
+    log(f"qpack fleet worker {config.worker_id}: {loaded.name} v{loaded.version} (queue: {url})")
+    with BackgroundServer(worker_app(worker), port=options.port, host=options.host):
         worker.run(stop)
 
 
-def run_all(options: Any, info: Any, log: Callable[[str], None]) -> None:
+def worker_app(worker: FleetWorker) -> FastAPI:
+    """A fleet worker's own HTTP face: `/health` and `/metrics` (the engine's, plus claims)."""
+    engine = worker.engine
+    app = FastAPI(title="qpack fleet worker")
+    app.state.start_draining = lambda: None
+
+    @app.get("/health")
+    async def health() -> Response:
+        load = {"running": len(engine.scheduler.running), "waiting": engine.scheduler.num_waiting}
+        return JSONResponse({"status": "ok", "worker": worker.config.worker_id, **load})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        claims = f"# TYPE qpack_fleet_claims_total counter\nqpack_fleet_claims_total {worker.claimed}\n"
+        return Response(engine.metrics.render() + claims.encode(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def worker_options(options: ServeOptions, index: int) -> ServeOptions:
+    """The options of a `--role all` gateway's INDEX-th worker: the same model and engine limits, its own port
+    after the gateway's, one thread unless --threads says otherwise, its /health and /metrics on loopback, and no
+    API keys (a worker serves no API; its options travel on a command line)."""
+    return dataclasses.replace(
+        options,
+        role="worker",
+        host="127.0.0.1",
+        port=options.port + 1 + index,
+        threads=options.threads or 1,
+        api_keys=(),
+        api_key_file=None,
+    )
+
+
+def run_all(options: ServeOptions, info: ServerInfo, log: Callable[[str], None]) -> None:
     """A gateway here and `--workers` worker processes, each on its own port after the gateway's."""
-    check_redis(options.redis)
-    workers = []
-    for index in range(options.workers):
-        command = [
-            sys.executable,
-            "-m",
-            "qpack",
-            "serve",
-            str(options.target),
-            "--redis",
-            options.redis,
-            "--role",
-            "worker",
-            "--port",
-            str(options.port + 1 + index),
-            "--threads",
-            str(options.threads or 1),
-            *options.worker_args(),
-        ]
-        workers.append(subprocess.Popen(command))
+    check_redis(_redis_url(options))
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "serve.fleet.worker_process", worker_options(options, index).to_json()]
+        )
+        for index in range(options.workers)
+    ]
     log(f"started {len(workers)} workers (pids {', '.join(str(w.pid) for w in workers)})")
     try:
         run_gateway(options, info, log)

@@ -23,13 +23,17 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from serve.engine import Engine, QueueFull, RequestOutput
+from serve.engine import Engine, RequestOutput
 from serve.fleet import protocol as P
+from serve.openai.answers import engine_refusals
 from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids
 from serve.openai.protocol import ApiError, parse_request, sampling_params
 from serve.openai.render import usage as _usage
+
+if TYPE_CHECKING:
+    from redis.typing import StreamIdT
 
 _log = logging.getLogger("qpack.fleet")
 
@@ -72,7 +76,6 @@ class FleetWorker:
         self._chunks: queue.Queue[tuple[str, P.Chunk, _InFlight | None] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self.vocab = int(engine.model.config.vocab_size)  # type: ignore[attr-defined]
         self.max_chars = engine.max_model_len * longest_token_chars(engine.tokenizer)
 
     # ------------------------------------------------------------------ lifecycle
@@ -152,14 +155,13 @@ class FleetWorker:
         reply = self.redis.xreadgroup(
             P.GROUP, self.config.worker_id, {self.own: ">", self.shared: ">"}, count=room, block=100
         )
-        for stream, entries in reply or []:
-            for entry_id, fields in entries:
-                self._start(_text(stream), _text(entry_id), fields, attempt=1)
+        for stream, entry_id, fields in P.stream_entries(reply):
+            self._start(stream, entry_id, fields, attempt=1)
 
     def _refresh_and_claim(self) -> None:
         """Reset the idle clock of our own in-flight entries, then take over entries left by dead workers."""
         with self._lock:
-            by_stream: dict[str, list[str]] = {}
+            by_stream: dict[str, list[StreamIdT]] = {}
             for item in self.inflight.values():
                 by_stream.setdefault(item.stream, []).append(item.entry_id)
         for stream, ids in by_stream.items():
@@ -179,17 +181,16 @@ class FleetWorker:
             except Exception as exc:  # a stream without the group (a worker that never started): skip it
                 _log.debug("cannot claim from %s: %s", stream, exc)
                 continue
-            for entry_id, fields in entries:
-                if fields:
-                    self.claimed += 1
-                    self._start(stream, _text(entry_id), fields, attempt=2)
+            for entry_id, fields in P.entries(entries):
+                self.claimed += 1
+                self._start(stream, entry_id, fields, attempt=2)
 
     def _dead_worker_streams(self) -> list[str]:
         """Streams of workers of this model whose heartbeat stopped."""
         streams = []
         for raw_id, raw_model in self.redis.hgetall(P.WORKERS).items():
-            worker = _text(raw_id)
-            if worker == self.config.worker_id or _text(raw_model) != self.config.name:
+            worker = P.text(raw_id)
+            if worker == self.config.worker_id or P.text(raw_model) != self.config.name:
                 continue
             info = P.WorkerInfo.parse(self.redis.hgetall(P.worker_key(worker)))
             if info is None or time.time() - info.last_seen > self.config.ttl_s:
@@ -206,14 +207,13 @@ class FleetWorker:
         room = self.capacity - len(self.inflight)
         if room > 0:
             reply = self.redis.xreadgroup(P.GROUP, self.config.worker_id, {stream: ">"}, count=room)
-            for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    self._start(stream, _text(entry_id), fields, attempt=1)
+            for _stream, entry_id, fields in P.stream_entries(reply):
+                self._start(stream, entry_id, fields, attempt=1)
         if self.redis.xlen(stream) == 0:
             self.redis.delete(stream)
             self.redis.hdel(P.WORKERS, stream.removeprefix(P.worker_stream("")))
 
-    def _start(self, stream: str, entry_id: str, fields: Any, attempt: int) -> None:
+    def _start(self, stream: str, entry_id: str, fields: P.Fields, attempt: int) -> None:
         if b"forget" in fields or "forget" in fields:
             self._forget(stream, entry_id, fields)
             return
@@ -258,17 +258,17 @@ class FleetWorker:
     def _chain(self, request_id: str) -> P.Chain:
         """What a previous attempt already delivered on the request's response stream."""
         chain = P.Chain()
-        for _entry_id, fields in self.redis.xrange(P.response_stream(request_id)):
+        for _entry_id, fields in P.entries(self.redis.xrange(P.response_stream(request_id)) or []):
             try:
                 chain.take(P.Chunk.decode(fields))
             except (ValueError, TypeError, KeyError):
                 continue
         return chain
 
-    def _forget(self, stream: str, entry_id: str, fields: Any) -> None:
+    def _forget(self, stream: str, entry_id: str, fields: P.Fields) -> None:
         """A session deletion broadcast by a gateway: drop its KV here, then acknowledge."""
         try:
-            target = json.loads(_text(fields.get(b"forget", fields.get("forget"))))
+            target = json.loads(P.text(fields.get(b"forget", fields.get("forget", ""))))
             blocks = self.engine.forget_sessions(target.get("user"), target.get("session_id"))
             _log.info("fleet worker: forgot %d blocks of %s", blocks, target)
         except (ValueError, TypeError, AttributeError) as exc:
@@ -293,7 +293,7 @@ class FleetWorker:
                 return None
         with self._lock:
             self.inflight[request.request_id] = item
-        try:
+        with engine_refusals("worker"):
             self.engine.add(
                 request.request_id,
                 ids,
@@ -307,12 +307,6 @@ class FleetWorker:
                 resume_ids=chain.ids,
                 resume_chars=chain.chars,
             )
-        except QueueFull as exc:
-            raise ApiError(
-                429, f"worker busy: {exc}; retry later", code="queue_full", kind="rate_limit_error"
-            ) from None
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
         return len(ids)
 
     def _finish_resumed(self, request: P.FleetRequest, item: _InFlight, chain: P.Chain, prompt: int) -> None:
@@ -330,7 +324,7 @@ class FleetWorker:
     def _prepare(self, request: P.FleetRequest) -> tuple[list[int], Any]:
         parsed = parse_request({**request.body, "seed": request.seed}, request.chat)
         check_text_size(parsed, self.max_chars, self.engine.max_model_len)
-        ids = prompt_ids(parsed, self.engine.tokenizer, self.vocab)
+        ids = prompt_ids(parsed, self.engine.tokenizer, self.engine.vocab_size)
         return ids, sampling_params(parsed, len(ids), self.engine.max_model_len)
 
     def _callback(self, request_id: str, item: _InFlight) -> Any:
@@ -443,10 +437,6 @@ class FleetWorker:
                     self._chunks.put(
                         (request_id, P.Chunk("error", status=499, worker=self.config.worker_id), item)
                     )
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _error(status: int, message: str, kind: str) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: `protocol` (request parsing and validation, no server needed), `prompts`
-(token ids), `render` (responses and SSE chunks), `routes` (the FastAPI app over the engine)."""
+(token ids), `render` (responses and SSE chunks), `answers` (the SSE stream and the engine's refusals, shared with
+the fleet), `routes` (the FastAPI app over the engine)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from serve.sequence import SamplingParams
+from serve.request import SamplingParams
 
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "n": lambda v: v not in (None, 1),

@@ -62,8 +62,5 @@ class Chunks:
             choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
         return self._event(choices=[choice])
 
-    def usage(self, final: RequestOutput) -> str:
-        return self.usage_event(usage(final))
-
-    def usage_event(self, counts: dict[str, Any]) -> str:
+    def usage(self, counts: dict[str, Any]) -> str:
         return self._event(choices=[], usage=counts)

@@ -35,8 +35,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serve.engine import Engine, QueueFull, RequestOutput
+from serve.engine import Engine, RequestOutput
 from serve.openai import render
+from serve.openai.answers import Piece, disconnected, engine_refusals, sse_events
 from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids
 from serve.openai.protocol import (
     ApiError,
@@ -46,11 +47,11 @@ from serve.openai.protocol import (
     parse_request,
     sampling_params,
 )
-from serve.sequence import SamplingParams
+from serve.options import DEFAULT_MAX_REQUEST_BYTES
+from serve.request import SamplingParams
 
 _log = logging.getLogger("qpack.serve")
 
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -158,7 +159,6 @@ class Generation:
 
     def __init__(self, engine: Engine, info: ServerInfo) -> None:
         self.engine, self.info = engine, info
-        self.vocab_size = int(engine.model.config.vocab_size)  # type: ignore[attr-defined]
         self.max_chars = engine.max_model_len * longest_token_chars(engine.tokenizer)
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qpack-tokenize")
 
@@ -173,7 +173,7 @@ class Generation:
         if parsed.stream:
             chunks = render.Chunks(request_id, chat, created, self.info.name)
             return StreamingResponse(
-                self._events(request_id, queue, chunks, parsed),
+                self._events(request_id, queue, chunks, parsed.include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -202,7 +202,9 @@ class Generation:
         check_text_size(parsed, self.max_chars, self.engine.max_model_len)
         loop = asyncio.get_running_loop()
         tokenizer = self.engine.tokenizer
-        ids = await loop.run_in_executor(self.tokenizing, prompt_ids, parsed, tokenizer, self.vocab_size)
+        ids = await loop.run_in_executor(
+            self.tokenizing, prompt_ids, parsed, tokenizer, self.engine.vocab_size
+        )
         return parsed, ids, sampling_params(parsed, len(ids), self.engine.max_model_len)
 
     def _submit(
@@ -214,7 +216,7 @@ class Generation:
         def callback(output: RequestOutput) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, output)
 
-        try:
+        with engine_refusals("server"):
             self.engine.add(
                 request_id,
                 ids,
@@ -226,12 +228,6 @@ class Generation:
                 user=parsed.user,
                 session_id=parsed.session_id,
             )
-        except QueueFull as exc:
-            raise ApiError(
-                429, f"server busy: {exc}; retry later", code="queue_full", kind="rate_limit_error"
-            ) from None
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
         return queue
 
     async def _collect(
@@ -239,11 +235,11 @@ class Generation:
     ) -> tuple[str, RequestOutput]:
         """The whole answer; the request is aborted the moment its client disconnects."""
         text = []
-        disconnected = asyncio.ensure_future(_disconnect(request))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
             while True:
                 output = asyncio.ensure_future(queue.get())
-                await asyncio.wait({output, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({output, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not output.done():
                     output.cancel()
                     self.engine.abort(request_id)
@@ -255,37 +251,24 @@ class Generation:
             self.engine.abort(request_id)
             raise
         finally:
-            disconnected.cancel()
+            gone.cancel()
 
-    async def _events(
-        self,
-        request_id: str,
-        queue: asyncio.Queue[RequestOutput],
-        chunks: render.Chunks,
-        parsed: GenerationRequest,
+    def _events(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput], chunks: render.Chunks, include_usage: bool
     ) -> AsyncIterator[str]:
-        finished = False
-        try:
-            if parsed.chat:
-                yield chunks.role()
-            while not finished:
+        async def pieces() -> AsyncIterator[Piece]:
+            while True:
                 output = await queue.get()
-                finished = output.finished
-                if output.text or finished:
-                    yield chunks.delta(output.text, output.finish_reason if finished else None)
-                if finished and parsed.include_usage:
-                    yield chunks.usage(output)
-            yield render.DONE
-        finally:
-            if not finished:
-                self.engine.abort(request_id)
+                if not output.finished:
+                    yield Piece(output.text)
+                    continue
+                yield Piece(output.text, True, output.finish_reason, render.usage(output))
+                return
 
+        async def abandon() -> None:
+            self.engine.abort(request_id)
 
-async def _disconnect(request: Request) -> None:
-    """Returns when the client has gone (the body was already read, so the next ASGI message is the
-    disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+        return sse_events(pieces(), chunks, include_usage, abandon)
 
 
 def create_app(engine: Engine, info: ServerInfo) -> FastAPI:

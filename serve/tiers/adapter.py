@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 
 from serve.block_pool import BlockPool, PrefixKey
+from serve.request import Request
 from serve.runner import ModelRunner
-from serve.sequence import Sequence
 from serve.tiers.tiered import TieredKV
 
 
@@ -40,13 +40,13 @@ class TierAdapter:
         load, prefill = self.load_per_block.value, self.prefill_per_token.value
         return load is None or prefill is None or load < prefill * self.block_size
 
-    def fetch(self, seq: Sequence, keys: list[PrefixKey]) -> list[int]:
+    def fetch(self, request: Request, keys: list[PrefixKey]) -> list[int]:
         if not keys:
             return []
         if not self.worth_loading():
             self.skipped += 1
             return []
-        self.tiers.touch(seq.session)
+        self.tiers.touch(request.session)
         started = time.perf_counter()
         blocks = self.tiers.fetch(keys, limit=self.pool.num_free)
         if not blocks:
@@ -58,8 +58,8 @@ class TierAdapter:
             self.pool.register(block_id, key)
         return ids
 
-    def on_register(self, seq: Sequence, block_id: int, key: PrefixKey) -> None:
-        self.tiers.offer(key, self.runner.read_block(block_id).cpu(), seq.session)  # host copy on CUDA
+    def on_register(self, request: Request, block_id: int, key: PrefixKey) -> None:
+        self.tiers.offer(key, self.runner.read_block(block_id).cpu(), request.session)  # host copy on CUDA
 
     def forget(self, user: str | None, session_id: str | None) -> int:
         """Remove a session's (or user's) blocks from every tier, the pool's prefix cache included."""

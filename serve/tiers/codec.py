@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from serve.options import CODECS
+
 MAGIC = b"QPKV"
 FORMAT_VERSION = 1
-CODECS = ("zstd", "zlib", "lz4", "none")
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _DTYPE_OF = {code: dtype for dtype, code in _DTYPES.items()}
 # magic, version, codec, dtype, block size, layers, kv heads, head dim, model hash, key, payload, raw, checksum

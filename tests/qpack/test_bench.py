@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from qpack.bench.loadgen import BenchRequest, percentile, run_level
 from qpack.bench.sysinfo import machine_info, memory_bandwidth_gbs
-from serve.server import free_port
+from serve.http import free_port
 
 
 def stub_app() -> FastAPI:
@@ -116,19 +116,21 @@ def test_bandwidth_probe_and_machine_info() -> None:
     json.dumps(info)
 
 
-def _artifact(path: Path, calibration: Path, preset: str, **options: object) -> Path:
+def _artifact(path: Path, calibration: Path, preset: str, group_size: int | None = None) -> Path:
     from quantize.config import QuantizeConfig
+    from quantize.formats.schemes import Int4
     from quantize.pipeline import quantize_model
-    from quantize.sensitivity.measure import SensitivityConfig
+    from quantize.planning.presets import PRESETS
+    from quantize.sensitivity.settings import SensitivityConfig
 
     config = QuantizeConfig(
         output=path,
         calibration=calibration,
-        preset=preset,
+        preset=PRESETS[preset],
+        schemes=(Int4(group_size),) if group_size else (),
         sensitivity=SensitivityConfig(num_tokens=32),
         calib_tokens=128,
         eval_tokens=64,
-        **options,  # type: ignore[arg-type]
     )
     quantize_model(config)
     return path

@@ -12,8 +12,8 @@ import pytest
 
 from quantize.model.sources import load_model, load_tokenizer, resolve_model
 from serve.engine import Engine, EngineConfig
+from serve.http import BackgroundServer
 from serve.openai import ServerInfo
-from serve.server import BackgroundServer
 
 
 def make_engine(model_dir: Path, **kwargs) -> Engine:
@@ -333,7 +333,7 @@ def test_the_prefill_dtype_is_set_on_the_model_and_keys_its_kv(tiny_qwen2_artifa
     """`--prefill-dtype bfloat16` reaches every quantized linear (fused ones included), and KV computed on one
     numeric path is never reused on another: the prefix-cache namespace and the stored blocks' key differ."""
     from quantize.runtime.modules import QuantLinear
-    from serve.server import build_engine, load_for_serving
+    from serve.loading import build_engine, load_for_serving
 
     engines = {
         dtype: build_engine(

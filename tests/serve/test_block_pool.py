@@ -96,9 +96,9 @@ def test_keys_are_sha256_chains_salted_per_tenant() -> None:
 
 
 def test_a_sequence_extends_its_keys_as_blocks_fill() -> None:
-    from serve.sequence import SamplingParams, Sequence
+    from serve.request import Request, SamplingParams
 
-    seq = Sequence("r", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0), cache_salt=b"t1")
-    assert seq.keys(2) == prefix_keys([1, 2, 3, 4], 2, chain_root(b"t1"))
-    seq.output_ids += [6, 7, 8]
-    assert seq.keys(2) == prefix_keys([1, 2, 3, 4, 5, 6, 7, 8], 2, chain_root(b"t1"))
+    request = Request("r", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0), cache_salt=b"t1")
+    assert request.keys(2) == prefix_keys([1, 2, 3, 4], 2, chain_root(b"t1"))
+    request.output_ids += [6, 7, 8]
+    assert request.keys(2) == prefix_keys([1, 2, 3, 4, 5, 6, 7, 8], 2, chain_root(b"t1"))

@@ -22,8 +22,8 @@ from serve.fleet import protocol as P
 from serve.fleet.gateway import Gateway, GatewayConfig, create_gateway_app, ring_owner
 from serve.fleet.local_redis import LocalRedis
 from serve.fleet.worker import FleetWorker, WorkerConfig
+from serve.http import BackgroundServer, free_port
 from serve.openai import ServerInfo
-from serve.server import BackgroundServer, free_port
 from tests.serve.test_api import make_engine
 
 STORY = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0.9, "seed": 7, "ignore_eos": True}
@@ -243,6 +243,44 @@ def test_in_flight_requests_end_within_their_deadline_when_redis_goes(
             rest = [line for line in lines if line]
         assert time.monotonic() - started < 4.0 + 3.0  # the deadline, plus a poll
         assert rest[-1] == "data: [DONE]"  # a well-formed stream, finished or ended with an error
+
+
+def test_role_all_starts_workers_that_answer_and_stops_them_on_sigterm(
+    tiny_llama: Path, local_redis: LocalRedis
+) -> None:
+    """`--role all`: the gateway starts its worker as `python -m serve.fleet.worker_process`, with the engine
+    options it was given; SIGTERM drains the gateway and ends the worker."""
+    port = free_port()
+    command = [sys.executable, "-m", "qpack", "serve", str(tiny_llama), "--role", "all", "--workers", "1"]
+    command += ["--redis", local_redis.url, "--port", str(port), "--kv-memory", "16MB", "--block-size", "4"]
+    command += ["--max-model-len", "256", "--prefill-dtype", "float32"]
+    gateway_process = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            assert gateway_process.poll() is None, gateway_process.stderr.read()  # type: ignore[union-attr]
+            try:
+                return live_workers(base) == 1
+            except httpx.TransportError:
+                return False
+
+        wait_for(up, timeout=240, what="the gateway and its worker")
+        worker_health = httpx.get(f"http://127.0.0.1:{port + 1}/health", timeout=5).json()
+        models = httpx.get(f"{base}/v1/models").json()["data"]
+        assert [m["prefill_dtypes"] for m in models] == [["float32"]]
+        answer = httpx.post(f"{base}/v1/completions", json={**STORY, "max_tokens": 4}, timeout=60)
+        assert answer.status_code == 200 and answer.headers["x-qpack-worker"] == worker_health["worker"]
+        gateway_process.send_signal(signal.SIGTERM)
+        assert gateway_process.wait(timeout=90) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port + 1}/health", timeout=2)
+    finally:
+        if gateway_process.poll() is None:
+            gateway_process.kill()
+            gateway_process.wait(timeout=10)
 
 
 def start_worker_process(model_dir: Path, url: str, port: int) -> subprocess.Popen[str]:

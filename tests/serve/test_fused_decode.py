@@ -10,16 +10,16 @@ import shutil
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from quantize.formats.handlers import handler_for
 from quantize.formats.schemes import BF16, FP16, Int4, Int8, Scheme
 from quantize.model.sources import load_tokenizer
 from quantize.model.surgery import QuantizedWeight, install
+from quantize.runtime.handlers import handler_for
 from quantize.runtime.kernels import ops as kernels
 from serve import engine as engine_module
 from serve.engine import Engine, EngineConfig, RequestOutput
-from serve.sequence import SamplingParams
+from serve.request import SamplingParams
+from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
@@ -43,24 +43,10 @@ def _scheme(fqn: str, float16_layer: bool = True) -> Scheme | None:
 
 
 def _model(arch: str, window: int | None, float16_layer: bool = True) -> nn.Module:
-    torch.manual_seed(3)
-    common = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    else:
-        model = Qwen2ForCausalLM(
-            Qwen2Config(**common, use_sliding_window=window is not None, sliding_window=window)
-        )
-    model.eval()
+    shape = dict(intermediate_size=96, num_hidden_layers=5, tie_word_embeddings=True)
+    if arch != "llama":
+        shape |= dict(use_sliding_window=window is not None, sliding_window=window)
+    model = tiny_model(arch, seed=3, **shape)
     for fqn, module in list(model.named_modules()):
         if (
             isinstance(module, nn.Linear)
@@ -167,10 +153,10 @@ def _logits_by_request(
     seen: dict[str, list[torch.Tensor]] = {}
     real = engine_module.sample
 
-    def recording(logits: torch.Tensor, seqs: list) -> list[int]:  # type: ignore[type-arg]
-        for row, seq in zip(logits, seqs, strict=True):
-            seen.setdefault(seq.request_id, []).append(row.clone())
-        return real(logits, seqs)
+    def recording(logits: torch.Tensor, requests: list) -> list[int]:  # type: ignore[type-arg]
+        for row, request in zip(logits, requests, strict=True):
+            seen.setdefault(request.request_id, []).append(row.clone())
+        return real(logits, requests)
 
     engine_module.sample = recording  # type: ignore[assignment]
     try:

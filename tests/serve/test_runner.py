@@ -8,8 +8,9 @@ import torch
 from quantize.io.artifact import load_artifact
 from quantize.model.sources import load_model, load_tokenizer, resolve_model
 from serve.engine import Engine, EngineConfig, RequestOutput
-from serve.sequence import SamplingParams
-from serve.server import load_for_serving
+from serve.loading import load_for_serving
+from serve.request import SamplingParams
+from serve.runner import StepBatch
 
 PROMPTS = [
     [1, 5, 9, 33, 71],
@@ -146,9 +147,9 @@ def test_compiled_decode_matches_eager(tiny_llama) -> None:
     assert compiled is not None
     calls = []
 
-    def counting(*args: torch.Tensor) -> torch.Tensor:
-        calls.append(args[0].shape[0])
-        return compiled(*args)
+    def counting(batch: StepBatch) -> torch.Tensor:
+        calls.append(batch.num_decode)
+        return compiled(batch)
 
     engine.runner._decode_fn = counting
     engine.warmup()

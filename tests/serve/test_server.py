@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from serve.server import free_port
+from serve.http import free_port
 
 
 def test_sigterm_drains_running_requests(tiny_llama: Path) -> None:

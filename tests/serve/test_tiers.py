@@ -15,7 +15,7 @@ import torch
 from quantize.model.sources import load_model, load_tokenizer, resolve_model
 from serve.block_pool import chain_root, prefix_keys
 from serve.engine import Engine, EngineConfig, write_queue_bytes
-from serve.sequence import SamplingParams
+from serve.request import SamplingParams
 from serve.tiers.codec import BlockLayout, CorruptBlock, _shuffle, _unshuffle, decode, encode, intact
 from serve.tiers.stores import DiskStore, HostStore
 from serve.tiers.tiered import TieredKV
@@ -250,8 +250,8 @@ def test_deleting_a_session_removes_its_blocks_from_every_tier(tiny_llama: Path,
 def test_the_api_records_sessions_and_deletes_them(tiny_llama: Path, tmp_path: Path) -> None:
     import httpx
 
+    from serve.http import BackgroundServer
     from serve.openai import ServerInfo
-    from serve.server import BackgroundServer
 
     engine = _engine(tiny_llama, tmp_path / "t2", kv_memory="1MB")
     prompt = "Once upon a time there was a little girl who liked to play in the park with her dog every day"

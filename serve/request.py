@@ -37,7 +37,7 @@ class SamplingParams:
 
 
 @dataclass(eq=False)
-class Sequence:
+class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -88,7 +88,7 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def keys(self, block_size: int) -> list[PrefixKey]:
-        """Prefix-cache keys of the sequence's full blocks, extended as blocks fill (tokens never change once
+        """Prefix-cache keys of the request's full blocks, extended as blocks fill (tokens never change once
         appended, so earlier keys are computed once)."""
         full = self.num_tokens // block_size
         done = len(self._keys)

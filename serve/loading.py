@@ -1,0 +1,135 @@
+"""From a target on the command line to a running engine: load an artifact (or a plain model), size the KV pool,
+build the engine and say what it holds.
+
+Shared by every role that computes (a single server, a fleet worker) and by the benchmarks, which build engines
+the way `qpack serve` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantize.common.errors import QpackError
+from quantize.common.sizes import parse_size
+from serve.engine import Engine, EngineConfig
+from serve.kv_cache import KV_DTYPES
+from serve.options import ServeOptions
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any
+    name: str
+    version: str
+    source: str
+    content_hash: str = ""  # what stored KV blocks are keyed by: a new version never reads old blocks
+
+
+def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """An artifact directory (quantized modules) or any `--model` spec (FP32/BF16, for comparison)."""
+    from quantize.model.sources import load_model, load_tokenizer, resolve_model, weights_sha256
+
+    path = Path(target).expanduser()
+    if (path / "manifest.json").is_file():
+        from quantize.io.artifact import content_sha256, load_artifact
+
+        loaded = load_artifact(path, device=device, skeleton=True)
+        tokenizer = load_tokenizer(path, loaded.manifest.get("tokenizer_class"))
+        content = content_sha256(loaded.manifest)
+        return LoadedModel(loaded.model, tokenizer, loaded.name, loaded.version, str(loaded.path), content)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise QpackError(f"--dtype must be one of {', '.join(dtypes)} (got {dtype!r})")
+    source = resolve_model(target)
+    model = load_model(source, dtype=dtypes[dtype], device=device)
+    name = source.model_id.rsplit("/", 1)[-1]
+    return LoadedModel(
+        model, load_tokenizer(source), name, dtype, source.model_id, weights_sha256(source) + dtype
+    )
+
+
+def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
+    """The engine, with the heap trimmed after it is built (fusing q/k/v and gate/up frees the unfused copies)."""
+    from quantize.common.memory import trim_heap
+
+    config = dataclasses.replace(config, model_hash=config.model_hash or loaded.content_hash)
+    try:
+        engine = Engine(loaded.model, loaded.tokenizer, config)
+    except ValueError as exc:
+        raise QpackError(str(exc)) from None
+    trim_heap()
+    return engine
+
+
+def describe(engine: Engine) -> str:
+    from quantize.runtime.kernels import ops as kernels
+
+    tokens = engine.num_blocks * engine.config.block_size
+    decode_kernels = (
+        f"native ({(kernels.isa() or '').upper().replace('AVX512', 'AVX-512 VNNI')})"
+        if kernels.ready()
+        else f"torch ({kernels.unavailable_reason() or 'not built'})"
+    )
+    config = engine.config
+    tiers = []
+    if config.kv_host_memory:
+        tiers.append(f"host memory {config.kv_host_memory / 2**20:.0f} MiB")
+    if config.kv_disk:
+        tiers.append(f"disk {config.kv_disk} ({config.kv_disk_size / 2**30:.1f} GiB)")
+    return (
+        f"KV cache: {engine.num_blocks:,} blocks x {config.block_size} tokens = {tokens:,} tokens "
+        f"({engine.kv_bytes / 2**20:.0f} MiB {str(config.kv_dtype).removeprefix('torch.')}, "
+        f"{engine.kv_bytes_per_token / 1024:.1f} KiB/token); "
+        f"max context {engine.max_model_len:,} tokens; decode kernels: {decode_kernels}"
+        + (
+            f"; stored KV for returning conversations: {', '.join(tiers)} ({config.kv_codec})"
+            if tiers
+            else ""
+        )
+    )
+
+
+def start_engine(options: ServeOptions, log: Callable[[str], None]) -> tuple[LoadedModel, Engine]:
+    """The model and its engine as `options` ask (compiled and warmed up with `--compile`), progress to `log`."""
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    loaded = load_for_serving(options.target or "", options.dtype)
+    log("loading the native decode kernels (built once per machine: ~1 min the first time)...")
+    engine = build_engine(loaded, engine_config(options))
+    if options.compile:
+        log("compiling the decode step (torch.compile)...")
+        engine.warmup()
+    log(f"qpack serve {loaded.name} v{loaded.version} ({loaded.source})")
+    log(describe(engine))
+    return loaded, engine
+
+
+def engine_config(options: ServeOptions) -> EngineConfig:
+    """The engine's config for what `qpack serve` was asked."""
+    return EngineConfig(
+        block_size=options.block_size,
+        kv_memory=options.kv_memory,
+        kv_dtype=KV_DTYPES[options.kv_dtype],
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        max_num_seqs=options.max_num_seqs,
+        max_queue=options.max_queue,
+        max_model_len=options.max_model_len,
+        enable_prefix_caching=options.prefix_caching,
+        compile=options.compile,
+        batch_invariant=options.batch_invariant,
+        prefill_dtype=options.prefill_dtype,
+        kv_host_memory=parse_size(options.kv_host_memory, "kv_host_memory"),
+        kv_disk=options.kv_disk,
+        kv_disk_size=parse_size(options.kv_disk_size, "kv_disk_size"),
+        kv_codec=options.kv_codec,
+        session_ttl=options.session_ttl,
+        isolate_users=options.isolate_users,
+    )

@@ -1,0 +1,209 @@
+"""What `qpack serve` was asked for, checked before anything is loaded.
+
+`ServeOptions` is the one description of a server, a fleet gateway or a fleet worker: the CLI builds its options
+from these fields and their docstrings (`qpack/cli/serving.py`), `run_server` validates it (every problem at once,
+each named by its field), and a `--role all` gateway hands each worker it starts its own options as JSON
+(`to_json`, `from_json`), so a worker is configured by the same fields, never by re-spelling them as flags. Plain
+data, importable without torch; `serve.loading.engine_config` makes the engine's config from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quantize.common.config import Problems, one_of
+from quantize.common.errors import QpackError
+from quantize.common.sizes import parse_size
+from quantize.runtime.precision import DEFAULT_PREFILL_DTYPE, PREFILL_DTYPE_NAMES
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+ROLES = ("single", "gateway", "worker", "all")
+KV_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+CODECS = ("zstd", "zlib", "lz4", "none")  # of stored KV blocks (serve/tiers/codec.py)
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+
+
+def _is_size(text: str) -> bool:
+    try:
+        parse_size(text, "size")
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `qpack serve` was asked for: the model, the address, the engine's limits, the fleet role."""
+
+    target: str | None
+    """Artifact directory, or a model (HF folder, .gguf, Hub id, alias); not needed by the gateway role."""
+    host: str = "127.0.0.1"
+    """Address to bind (default loopback only)."""
+    port: int = 8000
+    """Port."""
+    kv_memory: str = "512MB"
+    """KV pool size: bytes (512MB, 2GiB) or a fraction of free memory."""
+    block_size: int = 8
+    """Tokens per KV block (smaller: less of the pool left unfilled)."""
+    kv_dtype: str = "float32"
+    """KV pool element type: float32, bfloat16 (half the memory) or float16."""
+    max_num_batched_tokens: int = 1024
+    """Token budget per step."""
+    max_num_seqs: int = 32
+    """Sequences per batch."""
+    max_queue: int = 256
+    """Waiting requests before 429."""
+    max_model_len: int | None = None
+    """Context limit (default: the model's)."""
+    request_timeout: float = 600.0
+    """Seconds before a request is aborted."""
+    api_keys: tuple[str, ...] = ()
+    """Require 'Authorization: Bearer KEY' (any listed key is accepted)."""
+    api_key_file: Path | None = None
+    """File of accepted API keys, one per line (# comments)."""
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Largest request body; bigger ones get 413 before parsing."""
+    dtype: str = "float32"
+    """For plain models: float32, bfloat16 or float16."""
+    prefix_caching: bool = True
+    """Share cached prompt prefixes."""
+    compile: bool = False
+    """torch.compile the decode steps the fused native step doesn't cover (over 16 sequences, layers it can't run,
+    no native kernels); minutes of warm-up at start."""
+    batch_invariant: bool = False
+    """Every token through one native path (prefill too), so outputs don't depend on the batch or on reused KV
+    (prefix cache, host memory, disk); prefill is slower. CPU with native kernels, int8/int4/bf16/FP32 linears."""
+    prefill_dtype: str = DEFAULT_PREFILL_DTYPE
+    """Precision of prefill-sized GEMMs of int8/int4 layers: float32 (every CPU, the default) or bfloat16 (faster
+    where the CPU has AMX-BF16/AVX512-BF16, at a KL cost; emulated elsewhere)."""
+    kv_host_memory: str = "0"
+    """Host memory for KV blocks of returning conversations (T1), e.g. 2GB; 0: off."""
+    kv_disk: str | None = None
+    """Directory for KV blocks on disk (T2); survives restarts."""
+    kv_disk_size: str = "10GB"
+    """Bytes the KV disk tier may hold (LRU beyond)."""
+    kv_codec: str = "zstd"
+    """Stored-block compression: zstd, zlib, lz4 or none."""
+    session_ttl: float | None = None
+    """Seconds an idle session's KV is kept."""
+    isolate_users: bool = False
+    """Salt prefix caching by each request's `user`: no sharing across users."""
+    redis: str | None = None
+    """Redis URL of the fleet's queue (redis://127.0.0.1:6379/0); needs a fleet role."""
+    role: str = "single"
+    """single (one process, no Redis), gateway (API, no model), worker (engine behind Redis), or all (gateway +
+    workers here)."""
+    workers: int = 2
+    """Workers the all role starts beside its gateway."""
+    claim_idle: float = 10.0
+    """Seconds before a dead worker's requests are taken over by another."""
+    threads: int | None = None
+    """Compute threads of this process (default: torch's)."""
+
+    def to_json(self) -> str:
+        fields = dataclasses.asdict(self)
+        fields["api_key_file"] = None if self.api_key_file is None else str(self.api_key_file)
+        return json.dumps(fields)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServeOptions:
+        """The options `to_json` wrote; unknown or missing fields are named all at once (values are checked by
+        `validate`)."""
+        try:
+            fields: Any = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise QpackError(f"serve options are not JSON ({exc})") from None
+        if not isinstance(fields, dict):
+            raise QpackError("serve options must be a JSON object")
+        known = {field.name for field in dataclasses.fields(cls)}
+        problems = [f"unknown field {name!r}" for name in sorted(set(fields) - known)]
+        problems += [f"missing field {name!r}" for name in ("target",) if name not in fields]
+        if problems:
+            raise QpackError("invalid serve options: " + "; ".join(problems))
+        if fields.get("api_keys") is not None:
+            fields["api_keys"] = tuple(fields["api_keys"])
+        if fields.get("api_key_file") is not None:
+            fields["api_key_file"] = Path(fields["api_key_file"])
+        return cls(**fields)
+
+    def validate(self) -> None:
+        """Every problem at once (ConfigError), each named by its field, before anything is loaded."""
+        problems = Problems()
+        self._check_engine(problems)
+        self._check_fleet(problems)
+        problems.check(1 <= self.port <= 65535, "port", f"must be 1..65535 (got {self.port})")
+        problems.check(
+            self.request_timeout > 0, "request_timeout", f"must be > 0 (got {self.request_timeout})"
+        )
+        problems.check(
+            self.max_request_bytes >= 1024,
+            "max_request_bytes",
+            f"must be at least 1024 (got {self.max_request_bytes})",
+        )
+        problems.check(
+            all(key.strip() == key and key for key in self.api_keys),
+            "api_keys",
+            "must not be empty or padded",
+        )
+        problems.check(self.dtype in MODEL_DTYPES, "dtype", one_of(self.dtype, MODEL_DTYPES))
+        problems.check(
+            self.threads is None or self.threads >= 1, "threads", f"must be at least 1 (got {self.threads})"
+        )
+        problems.raise_if_any(self)
+
+    def _check_engine(self, problems: Problems) -> None:
+        for field in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, field)
+            problems.check(value >= 1, field, f"must be at least 1 (got {value})")
+        problems.check(self.max_queue >= 0, "max_queue", f"must be >= 0 (got {self.max_queue})")
+        problems.check(self.kv_dtype in KV_DTYPE_NAMES, "kv_dtype", one_of(self.kv_dtype, KV_DTYPE_NAMES))
+        problems.check(self.kv_codec in CODECS, "kv_codec", one_of(self.kv_codec, CODECS))
+        problems.check(
+            self.prefill_dtype in PREFILL_DTYPE_NAMES,
+            "prefill_dtype",
+            one_of(self.prefill_dtype, PREFILL_DTYPE_NAMES),
+        )
+        problems.check(
+            self.session_ttl is None or self.session_ttl > 0,
+            "session_ttl",
+            f"must be > 0 seconds (got {self.session_ttl})",
+        )
+        for field in ("kv_memory", "kv_host_memory", "kv_disk_size"):
+            value = getattr(self, field)
+            problems.check(_is_size(value), field, f"{value!r} is not a size (e.g. 2GB)")
+
+    def _check_fleet(self, problems: Problems) -> None:
+        problems.check(self.role in ROLES, "role", one_of(self.role, ROLES))
+        problems.check(
+            self.role == "single" or bool(self.redis), "role", f"{self.role} needs `redis` (a URL)"
+        )
+        problems.check(
+            self.role != "single" or not self.redis, "redis", "needs `role` gateway, worker or all"
+        )
+        problems.check(
+            self.role == "gateway" or bool(self.target),
+            "target",
+            "is required: an artifact or model to serve",
+        )
+        problems.check(self.workers >= 1, "workers", f"must be at least 1 (got {self.workers})")
+        problems.check(self.claim_idle > 0, "claim_idle", f"must be > 0 seconds (got {self.claim_idle})")
+
+    def keys(self) -> tuple[str, ...]:
+        """`api_keys` and the lines of `api_key_file` (blank lines and # comments skipped)."""
+        keys = list(self.api_keys)
+        if self.api_key_file is not None:
+            try:
+                lines = Path(self.api_key_file).expanduser().read_text().splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise QpackError(
+                    f"`api_key_file` {self.api_key_file} cannot be read ({exc}); fix the path"
+                ) from None
+            keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+            if len(keys) == len(self.api_keys):
+                raise QpackError(f"`api_key_file` {self.api_key_file} holds no key; one key per line")
+        return tuple(keys)

@@ -1,0 +1,77 @@
+"""`ServeOptions` as a `--role all` gateway hands them to its workers: JSON there and back, and the worker
+process's own entry point refusing what it cannot run in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quantize.common.errors import QpackError
+from serve.fleet.run import worker_options
+from serve.options import ServeOptions
+
+
+def test_options_round_trip_through_json() -> None:
+    options = ServeOptions(
+        "art/",
+        port=9000,
+        api_keys=("k1", "k2"),
+        api_key_file=Path("/keys"),
+        max_model_len=256,
+        prefill_dtype="bfloat16",
+        session_ttl=30.0,
+        redis="redis://127.0.0.1:6379/0",
+        role="all",
+    )
+    assert ServeOptions.from_json(options.to_json()) == options
+
+
+def test_unknown_and_missing_fields_are_named_at_once() -> None:
+    with pytest.raises(
+        QpackError, match="unknown field 'colour'; unknown field 'size'; missing field 'target'"
+    ):
+        ServeOptions.from_json('{"colour": 1, "size": 2}')
+    with pytest.raises(QpackError, match="JSON object"):
+        ServeOptions.from_json("[1]")
+
+
+def test_a_gateways_workers_get_its_engine_options_on_their_own_ports_without_keys() -> None:
+    gateway = ServeOptions(
+        "art/",
+        host="0.0.0.0",
+        port=8000,
+        api_keys=("secret",),
+        kv_memory="1GB",
+        prefill_dtype="bfloat16",
+        isolate_users=True,
+        redis="redis://r/0",
+        role="all",
+        workers=2,
+    )
+    second = worker_options(gateway, 1)
+    assert (second.role, second.port, second.host, second.threads) == ("worker", 8002, "127.0.0.1", 1)
+    assert second.api_keys == () and "secret" not in second.to_json()
+    assert (second.kv_memory, second.prefill_dtype, second.isolate_users) == ("1GB", "bfloat16", True)
+    second.validate()
+
+
+@pytest.mark.parametrize(
+    ("argument", "expected"),
+    [
+        ('{"target": null, "role": "worker", "redis": "redis://r/0"}', "artifact or model"),
+        ('{"target": "art/", "role": "gateway", "redis": "redis://r/0"}', "runs --role worker"),
+        ("not json", "not JSON"),
+    ],
+)
+def test_the_worker_process_refuses_in_one_line(argument: str, expected: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "serve.fleet.worker_process", argument],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2 and len(lines) == 1 and expected in lines[0], run.stderr
