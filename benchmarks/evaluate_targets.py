@@ -97,8 +97,7 @@ def main() -> None:
         entry: dict[str, Any] = {"name": loaded.name, "size": loaded.manifest["size"], "formats": {}}
         for fmt in args.formats:
             scores, total, prefix = timed_score(loaded.model, tokenizer, fmt, data, args.shots)
-            report = drift_report(data.test, reference_scores[fmt], scores)
-            report.pop("kl_values")
+            report = drift_report(data.test, reference_scores[fmt], scores).to_json()
             report.pop("subjects")
             entry["formats"][fmt] = {**report, "speed": speed(total, prefix)}
             print(

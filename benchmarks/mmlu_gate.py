@@ -84,7 +84,7 @@ def profile(artifacts: list[Path], mmlu: Path, limit: int, shots: int) -> dict[s
 
 
 def cache_run(artifact: Path, mmlu: Path, limit: int, shots: int, folder: Path) -> dict[str, Any]:
-    from evals.evaluate import EvaluateConfig, evaluate
+    from evals import EvaluateConfig, evaluate
 
     config = EvaluateConfig(
         artifact=artifact, mmlu=mmlu, limit=limit, shots=shots, cache_dir=folder, write=False
@@ -92,12 +92,12 @@ def cache_run(artifact: Path, mmlu: Path, limit: int, shots: int, folder: Path) 
     runs = []
     for label in ("first (uncached)", "second (cached reference)"):
         started = time.perf_counter()
-        result = evaluate(config).result
+        result = evaluate(config).evaluation
         runs.append((label, time.perf_counter() - started, result))
-        print(label, round(runs[-1][1], 1), "s", result["reference_cache"], flush=True)
-    same = runs[0][2]["formats"]["letter"]["kl_values"] == runs[1][2]["formats"]["letter"]["kl_values"]
+        print(label, round(runs[-1][1], 1), "s", result.to_json()["reference_cache"], flush=True)
+    same = runs[0][2].formats["letter"].kl_values == runs[1][2].formats["letter"].kl_values
     return {
-        "questions": runs[0][2]["mmlu"]["questions"],
+        "questions": runs[0][2].mmlu.questions,
         "seconds": {label: round(seconds, 1) for label, seconds, _ in runs},
         "speedup": round(runs[0][1] / runs[1][1], 2),
         "identical_reports": same,
@@ -108,7 +108,7 @@ def gate_run(
     artifact: Path, mmlu: Path, shots: int, folder: Path, max_questions: int | None
 ) -> dict[str, Any]:
     """A sequential --max-drift 1.0 run, capped at MAX_QUESTIONS (undecided there counts as a fail)."""
-    from evals.evaluate import EvaluateConfig, Gate, evaluate
+    from evals import EvaluateConfig, Gate, evaluate
 
     started = time.perf_counter()
     result = evaluate(
@@ -121,7 +121,7 @@ def gate_run(
             gate=Gate(max_drift=1.0),
             max_questions=max_questions,
         )
-    ).result
+    ).evaluation.to_json()
     sequential = result["formats"]["letter"]["sequential"]
     return {
         "seconds": round(time.perf_counter() - started, 1),

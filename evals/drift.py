@@ -11,14 +11,13 @@ gets a Wilson interval.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from evals.mmlu import Item
+from evals.mmlu import Item, by_subject
+from evals.results import Accuracy, AnswerKL, DriftReport, Flips, SubjectDrift
 
 Z95 = 1.959963984540054
 
@@ -68,20 +67,14 @@ def summarize_model(items: list[Item], scores: dict[str, torch.Tensor]) -> Model
     return ModelResult(predictions, correct, probs)
 
 
-def accuracy_block(items: list[Item], result: ModelResult) -> dict[str, Any]:
+def accuracy_block(items: list[Item], result: ModelResult) -> Accuracy:
     right = sum(result.correct[i.key] for i in items)
-    low, high = wilson_interval(right, len(items))
-    return {
-        "accuracy": right / max(len(items), 1),
-        "ci95": [low, high],
-        "correct": right,
-        "total": len(items),
-    }
+    return Accuracy(right / max(len(items), 1), wilson_interval(right, len(items)), right, len(items))
 
 
 def drift_report(
     items: list[Item], reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor], seed: int = 0
-) -> dict[str, Any]:
+) -> DriftReport:
     ref = summarize_model(items, reference)
     cand = summarize_model(items, candidate)
     keys = [item.key for item in items]
@@ -100,43 +93,44 @@ def drift_report(
         ]
     )
     changed = sum(ref.predictions[k] != cand.predictions[k] for k in keys)
-    right_to_wrong = int(((a == 1) & (b == 0)).sum())
-    wrong_to_right = int(((a == 0) & (b == 1)).sum())
     n = max(len(keys), 1)
-    by_subject: dict[str, list[Item]] = defaultdict(list)
-    for item in items:
-        by_subject[item.subject].append(item)
+    return DriftReport(
+        questions=len(keys),
+        reference=accuracy_block(items, ref),
+        candidate=accuracy_block(items, cand),
+        drift_points=100 * drift,
+        drift_ci95_points=(100 * low, 100 * high),
+        flips=Flips(
+            right_to_wrong=int(((a == 1) & (b == 0)).sum()),
+            wrong_to_right=int(((a == 0) & (b == 1)).sum()),
+            changed=int(changed),
+            flip_rate=changed / n,
+        ),
+        answer_kl=AnswerKL(
+            mean=float(kl.mean()) if len(kl) else 0.0,
+            p95=float(np.quantile(kl, 0.95)) if len(kl) else 0.0,
+        ),
+        top1_agreement=1.0 - changed / n,
+        subjects=subject_drift(items, ref, cand, seed),
+        kl_values=tuple(kl.tolist()),
+    )
+
+
+def subject_drift(
+    items: list[Item], ref: ModelResult, cand: ModelResult, seed: int
+) -> dict[str, SubjectDrift]:
     subjects = {}
-    for subject, subject_items in sorted(by_subject.items()):
+    for subject, subject_items in sorted(by_subject(items).items()):
         sk = [i.key for i in subject_items]
         sa = np.array([ref.correct[k] for k in sk], dtype=np.float64)
         sb = np.array([cand.correct[k] for k in sk], dtype=np.float64)
         d, lo, hi = paired_bootstrap(sa, sb, resamples=1000, seed=seed)
-        subjects[subject] = {
-            "n": len(sk),
-            "reference": float(sa.mean()),
-            "candidate": float(sb.mean()),
-            "drift_points": 100 * d,
-            "drift_ci95_points": [100 * lo, 100 * hi],
-            "flips": int(sum(ref.predictions[k] != cand.predictions[k] for k in sk)),
-        }
-    return {
-        "questions": len(keys),
-        "reference": accuracy_block(items, ref),
-        "candidate": accuracy_block(items, cand),
-        "drift_points": 100 * drift,
-        "drift_ci95_points": [100 * low, 100 * high],
-        "flips": {
-            "right_to_wrong": right_to_wrong,
-            "wrong_to_right": wrong_to_right,
-            "changed": int(changed),
-            "flip_rate": changed / n,
-        },
-        "answer_kl": {
-            "mean": float(kl.mean()) if len(kl) else 0.0,
-            "p95": float(np.quantile(kl, 0.95)) if len(kl) else 0.0,
-        },
-        "top1_agreement": 1.0 - changed / n,
-        "subjects": subjects,
-        "kl_values": kl.tolist(),
-    }
+        subjects[subject] = SubjectDrift(
+            n=len(sk),
+            reference=float(sa.mean()),
+            candidate=float(sb.mean()),
+            drift_points=100 * d,
+            drift_ci95_points=(100 * lo, 100 * hi),
+            flips=int(sum(ref.predictions[k] != cand.predictions[k] for k in sk)),
+        )
+    return subjects

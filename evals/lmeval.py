@@ -52,8 +52,11 @@ class QpackLM(TemplateLM):
         if not artifact:
             raise QpackError("--model_args needs artifact=DIR (a qpack artifact or model spec)")
         self.model, self.tokenizer = _load(str(artifact))
-        config = self.model.config
-        self._max_length = int(max_length or getattr(config, "max_position_embeddings", 2048))
+        self._max_length = (
+            int(max_length)
+            if max_length
+            else int(getattr(self.model.config, "max_position_embeddings", 2048))
+        )
         self._max_gen_toks = int(max_gen_toks)
         self.add_bos_token = _flag(add_bos_token)
         self.scorer = Scorer(self.model, self.tokenizer, int(batch_tokens))

@@ -20,6 +20,7 @@ import io
 import os
 import random
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,10 +67,15 @@ class MMLUData:
     subjects: list[str] = field(default_factory=list)
 
     def by_subject(self) -> dict[str, list[Item]]:
-        grouped: dict[str, list[Item]] = defaultdict(list)
-        for item in self.test:
-            grouped[item.subject].append(item)
-        return dict(grouped)
+        return by_subject(self.test)
+
+
+def by_subject(items: list[Item]) -> dict[str, list[Item]]:
+    """Items grouped by subject, each group and the subjects in the items' order."""
+    grouped: dict[str, list[Item]] = defaultdict(list)
+    for item in items:
+        grouped[item.subject].append(item)
+    return dict(grouped)
 
 
 def _answer(value: Any, where: str) -> int:
@@ -98,7 +104,7 @@ def _read_hendrycks_csv(path: Path, subject: str, digest: Any) -> list[Item]:
                 "choice3,answer"
             )
         rows = rows[1:]
-    items = []
+    items: list[Item] = []
     for number, row in enumerate(rows, start=2):
         if not row:
             continue
@@ -183,27 +189,16 @@ def _load_cais(root: Path, wanted: list[str]) -> MMLUData:
                     "answer": _answer(row["answer"], f"{path}:{number}"),
                 }
             )
-    dev: dict[str, list[Item]] = defaultdict(list)
-    test: list[Item] = []
-    counters: dict[str, int] = defaultdict(int)
-    for row in splits["dev"]:
-        if row["subject"] in wanted:
-            dev[row["subject"]].append(
-                Item(row["subject"], len(dev[row["subject"]]), row["question"], row["choices"], row["answer"])
-            )
-    for row in splits["test"]:
-        if row["subject"] in wanted:
-            test.append(
-                Item(row["subject"], counters[row["subject"]], row["question"], row["choices"], row["answer"])
-            )
-            counters[row["subject"]] += 1
-    missing = [s for s in wanted if s not in counters or s not in dev]
+    dev = by_subject(_items(splits["dev"], wanted))
+    test = _items(splits["test"], wanted)
+    tested = {item.subject for item in test}
+    missing = [s for s in wanted if s not in tested or s not in dev]
     if missing:
         raise QpackError(
             f"MMLU data in {root} lacks dev or test rows for {len(missing)} subjects ({', '.join(missing[:6])}); "
             "pass a complete cais/mmlu download"
         )
-    return MMLUData(test, dict(dev), "cais", str(root), digest.hexdigest(), list(wanted))
+    return MMLUData(test, dev, "cais", str(root), digest.hexdigest(), list(wanted))
 
 
 def _load_hub(wanted: list[str]) -> MMLUData:
@@ -218,33 +213,24 @@ def _load_hub(wanted: list[str]) -> MMLUData:
             f"({first}); pass --mmlu DIR (hendrycks or cais layout)"
         ) from None
     digest = hashlib.sha256(str(dataset).encode())
-    dev: dict[str, list[Item]] = defaultdict(list)
-    test: list[Item] = []
-    counters: dict[str, int] = defaultdict(int)
-    for row in dataset["dev"]:
-        if row["subject"] in wanted:
-            dev[row["subject"]].append(
-                Item(
-                    row["subject"],
-                    len(dev[row["subject"]]),
-                    row["question"],
-                    tuple(row["choices"]),
-                    int(row["answer"]),
-                )
+    dev = by_subject(_items(dataset["dev"], wanted))
+    test = _items(dataset["test"], wanted)
+    return MMLUData(test, dev, "hub:cais/mmlu", "cais/mmlu", digest.hexdigest(), list(wanted))
+
+
+def _items(rows: Iterable[Mapping[str, Any]], wanted: list[str]) -> list[Item]:
+    """The rows (subject, question, choices, answer) of the wanted subjects as items, numbered within their
+    subject in row order."""
+    numbers: dict[str, int] = defaultdict(int)
+    items = []
+    for row in rows:
+        subject = row["subject"]
+        if subject in wanted:
+            items.append(
+                Item(subject, numbers[subject], row["question"], tuple(row["choices"]), int(row["answer"]))
             )
-    for row in dataset["test"]:
-        if row["subject"] in wanted:
-            test.append(
-                Item(
-                    row["subject"],
-                    counters[row["subject"]],
-                    row["question"],
-                    tuple(row["choices"]),
-                    int(row["answer"]),
-                )
-            )
-            counters[row["subject"]] += 1
-    return MMLUData(test, dict(dev), "hub:cais/mmlu", "cais/mmlu", digest.hexdigest(), list(wanted))
+            numbers[subject] += 1
+    return items
 
 
 def parse_subjects(text: str | None) -> list[str]:
@@ -263,9 +249,7 @@ def stratified_limit(test: list[Item], limit: int | None, seed: int) -> list[Ite
         return test
     if limit < 1:
         raise QpackError(f"--limit must be at least 1 (got {limit})")
-    grouped: dict[str, list[Item]] = defaultdict(list)
-    for item in test:
-        grouped[item.subject].append(item)
+    grouped = by_subject(test)
     chosen: list[Item] = []
     for subject in grouped:
         items = grouped[subject]

@@ -8,35 +8,28 @@ to the gates' confidence sequences (`evals.sequential`) and stopping once every 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from evals.config import EvaluateConfig
 from evals.drift import drift_report
-from evals.mmlu import Item
+from evals.mmlu import Item, by_subject
 from evals.refcache import ReferenceCache
+from evals.reference import LazyReference
+from evals.results import CacheUse, DriftReport, GateDecision, SequentialSummary
 from evals.scoring import score
 from evals.sequential import GateSequence
 from quantize.common.progress import NULL_PROGRESS, Progress
 
-if TYPE_CHECKING:
-    from evals.evaluate import EvaluateConfig, LazyReference
-
 FIRST_CHUNK = (
     600  # questions before the first look; later chunks grow by half (at most 50% scored past a decision)
 )
-
-
-def by_subject(items: list[Item]) -> dict[str, list[Item]]:
-    grouped: dict[str, list[Item]] = defaultdict(list)
-    for item in items:
-        grouped[item.subject].append(item)
-    return dict(grouped)
 
 
 @dataclass
@@ -90,16 +83,14 @@ class PairScoring:
         """Question-model pairs scored per second, per format and model."""
         return {name: self.scored[name] / max(seconds, 1e-9) for name, seconds in self.seconds.items()}
 
-    def cache_summary(self) -> dict[str, Any]:
+    def cache_summary(self) -> dict[str, CacheUse | None]:
         return {
-            fmt: {"path": str(cache.path), "questions_from_cache": self.cache_hits.get(fmt, 0)}
-            if cache is not None
-            else None
+            fmt: CacheUse(str(cache.path), self.cache_hits.get(fmt, 0)) if cache is not None else None
             for fmt, cache in self.caches.items()
         }
 
 
-def score_fixed(scoring: PairScoring, config: EvaluateConfig, items: list[Item]) -> dict[str, dict[str, Any]]:
+def score_fixed(scoring: PairScoring, config: EvaluateConfig, items: list[Item]) -> dict[str, DriftReport]:
     formats = {}
     for fmt in config.formats:
         reference = scoring.reference_scores(fmt, items)
@@ -116,7 +107,7 @@ def random_order(items: list[Item], seed: int) -> list[Item]:
 
 def score_sequential(
     scoring: PairScoring, config: EvaluateConfig, items: list[Item]
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, DriftReport]:
     order = random_order(items, config.seed)
     alpha = 1 - config.confidence
     gates = {
@@ -140,25 +131,22 @@ def score_sequential(
         position += len(chunk)
         size = size + size // 2
     scored = order[:position]
-    formats = {}
-    for fmt, gate in gates.items():
-        report = drift_report(scored, scores[fmt][0], scores[fmt][1], seed=config.seed)
-        report["sequential"] = sequential_summary(gate, config, len(order), position)
-        formats[fmt] = report
-    return formats
+    return {
+        fmt: dataclasses.replace(
+            drift_report(scored, scores[fmt][0], scores[fmt][1], seed=config.seed),
+            sequential=sequential_summary(gate, config, len(order), position),
+        )
+        for fmt, gate in gates.items()
+    }
 
 
 def sequential_summary(
     gate: GateSequence, config: EvaluateConfig, population: int, scored: int
-) -> dict[str, Any]:
-    thresholds = {"drift": config.gate.max_drift, "flips": config.gate.max_flip_rate}
+) -> SequentialSummary:
     decisions = {
-        name: {
-            "verdict": decision.verdict,
-            "questions": decision.questions,
-            "interval": [decision.lower, decision.upper],
-            "threshold": thresholds[name],
-        }
+        name: GateDecision(
+            decision.verdict, decision.questions, (decision.lower, decision.upper), decision.threshold
+        )
         for name, decision in gate.decisions.items()
     }
     needed = max((d.questions for d in gate.decisions.values()), default=scored)
@@ -168,15 +156,15 @@ def sequential_summary(
         reason = f"all {population} questions scored (the gates' values are then exact)"
     else:
         reason = f"undecided at the --max-questions cap of {scored} questions"
-    return {
-        "confidence": config.confidence,
-        "method": "without-replacement empirical-Bernstein confidence sequence, uniform seeded order",
-        "population": population,
-        "scored": scored,
-        "questions_needed": needed,
-        "stopped": reason,
-        "decisions": decisions,
-        "undecided": [name for name in gate.gates if name not in gate.decisions],
-        "drop_interval_points": list(gate.drop_interval()),
-        "flip_rate_interval": list(gate.flip_interval()),
-    }
+    return SequentialSummary(
+        confidence=config.confidence,
+        method="without-replacement empirical-Bernstein confidence sequence, uniform seeded order",
+        population=population,
+        scored=scored,
+        questions_needed=needed,
+        stopped=reason,
+        decisions=decisions,
+        undecided=tuple(name for name in gate.gates if name not in gate.decisions),
+        drop_interval_points=gate.drop_interval(),
+        flip_rate_interval=gate.flip_interval(),
+    )

@@ -24,16 +24,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from evals.config import FORMATS
 from evals.mmlu import LETTERS, Item
 from quantize.common.errors import QpackError
 from quantize.common.progress import NULL_PROGRESS, Progress
-
-FORMATS = ("letter", "cloze")
 
 
 def _title(subject: str) -> str:
@@ -77,12 +76,14 @@ class Scorer:
     """Log-probs of requests after a shared prefix, for any `*ForCausalLM` (FP32 or qpack-quantized)."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, token_budget: int = 4096) -> None:
-        self.model = model
+        self.decoder = cast(nn.Module, model.model)  # the transformer under the LM head
+        self.lm_head = cast(nn.Module, model.lm_head)
+        self.config: Any = model.config  # a transformers config (torch types module attributes as tensors)
         self.tokenizer = tokenizer
         self.token_budget = token_budget
         self.letter_ids = [self.encode(f" {letter}") for letter in LETTERS]
         self.single_token_letters = all(len(ids) == 1 for ids in self.letter_ids)
-        forward = inspect.signature(model.model.forward).parameters  # type: ignore[union-attr]
+        forward = inspect.signature(self.decoder.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward else "past_key_values"
 
     def encode(self, text: str, first: bool = False) -> list[int]:
@@ -92,7 +93,7 @@ class Scorer:
     def _prefix(self, prefix: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if not prefix:
             return []
-        out = self.model.model(input_ids=torch.tensor([prefix]), use_cache=True)  # type: ignore[union-attr]
+        out = self.decoder(input_ids=torch.tensor([prefix]), use_cache=True)
         cache = out.past_key_values
         return [(layer.keys, layer.values) for layer in cache.layers]
 
@@ -113,7 +114,7 @@ class Scorer:
             mask[row, prefix_len : prefix_len + len(request.tokens)] = 1
         cached: dict[str, Any] = {}
         if prefix_kv:
-            cache = DynamicCache(config=self.model.config)  # type: ignore[union-attr]
+            cache = DynamicCache(config=self.config)
             for index, (keys, values) in enumerate(prefix_kv):
                 cache.update(
                     keys.expand(size, -1, -1, -1).contiguous(),
@@ -121,12 +122,10 @@ class Scorer:
                     index,
                 )
             cached = {"use_cache": True, self._cache_kwarg: cache}
-        hidden = self.model.model(  # type: ignore[union-attr]
-            input_ids=input_ids, attention_mask=mask, **cached
-        ).last_hidden_state
+        hidden = self.decoder(input_ids=input_ids, attention_mask=mask, **cached).last_hidden_state
         rows = torch.tensor([row for row, r in enumerate(batch) for _ in r.positions])
         cols = torch.tensor([p for r in batch for p in r.positions])
-        logp = torch.log_softmax(self.model.lm_head(hidden[rows, cols]).to(torch.float32), dim=-1)  # type: ignore[union-attr]
+        logp = torch.log_softmax(self.lm_head(hidden[rows, cols]).to(torch.float32), dim=-1)
         targets = torch.tensor([t for r in batch for t in r.targets])
         picked = logp.gather(1, targets[:, None])[:, 0]
         greedy = logp.argmax(dim=-1) == targets
@@ -337,7 +336,7 @@ def score_naive(
             for choice, continuation in enumerate(continuations):
                 answer = encode(context + continuation)[len(context_ids) :]
                 ids = torch.tensor([context_ids + answer])
-                logp = torch.log_softmax(model(input_ids=ids).logits[0].to(torch.float32), dim=-1)  # type: ignore[operator]
+                logp = torch.log_softmax(model(input_ids=ids).logits[0].to(torch.float32), dim=-1)
                 picked = logp[torch.arange(len(context_ids) - 1, ids.shape[1] - 1), torch.tensor(answer)]
                 size = 1 if fmt == "letter" else max(len(continuation.encode()), 1)
                 row[choice] = float(picked.to(torch.float64).sum()) / size

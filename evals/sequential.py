@@ -98,12 +98,14 @@ class WoRConfidenceSequence:
 
 @dataclass(frozen=True)
 class Decision:
-    """A gate's verdict: 'pass', 'fail', or 'undecided', the CS it rests on and the sample size it took."""
+    """A gate's verdict: 'pass', 'fail', or 'undecided', the CS it rests on, the sample size it took and the
+    threshold it was decided against."""
 
     verdict: str
     lower: float
     upper: float
     questions: int
+    threshold: float
 
 
 def decide(lower: float, upper: float, threshold: float) -> str:
@@ -156,12 +158,12 @@ class GateSequence:
             low, high = self.drop_interval()
             verdict = decide(low, high, self.max_drop_points)
             if verdict != "undecided":
-                self.decisions["drift"] = Decision(verdict, low, high, self.drift.t)
+                self.decisions["drift"] = Decision(verdict, low, high, self.drift.t, self.max_drop_points)
         if self.max_flip_rate is not None and "flips" not in self.decisions:
             low, high = self.flip_interval()
             verdict = decide(low, high, self.max_flip_rate)
             if verdict != "undecided":
-                self.decisions["flips"] = Decision(verdict, low, high, self.flips.t)
+                self.decisions["flips"] = Decision(verdict, low, high, self.flips.t, self.max_flip_rate)
 
     @property
     def decided(self) -> bool:

@@ -15,11 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from calibrate import CalibrationConfig, run_calibration
-from evals.evaluate import EvaluateConfig, EvaluateResult, Gate, evaluate
+from evals.config import EvaluateConfig, Gate
+from evals.pipeline import evaluate
+from evals.results import EvaluateResult
+from quantize.common.config import ConfigError, Problems, json_value, one_of
 from quantize.common.errors import QpackError
 from quantize.common.progress import NULL_PROGRESS, Progress
 from quantize.config import QuantizeConfig, QuantizeResult
 from quantize.pipeline import quantize_model
+from quantize.planning.plan import PlanRules
+from quantize.planning.presets import PRESETS
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,30 @@ class BuildConfig:
     def calibration_dir(self) -> Path:
         return self.calibration or self.output.with_name(self.output.name + ".calibration")
 
+    def evaluate_config(self, output: Path, calibration: Path) -> EvaluateConfig:
+        return EvaluateConfig(
+            artifact=output,
+            mmlu=self.mmlu,
+            subjects=self.subjects,
+            limit=self.limit,
+            shots=self.shots,
+            formats=self.formats,
+            calibration=calibration,
+            gate=self.gate,
+            seed=self.seed,
+        )
+
+    def validate(self) -> None:
+        """Every problem at once (ConfigError), before calibrating and quantizing, which take minutes."""
+        problems = Problems()
+        problems.check(self.preset in PRESETS, "preset", one_of(self.preset, PRESETS))
+        try:
+            self.evaluate_config(self.output, self.calibration_dir).validate()
+        except ConfigError as error:
+            for problem in error.problems:  # the evaluation's fields are this config's, by the same names
+                problems.add(problem.field, problem.message)
+        problems.raise_if_any(self)
+
 
 @dataclass
 class BuildResult:
@@ -61,6 +90,7 @@ def run_build(config: BuildConfig, progress: Progress = NULL_PROGRESS) -> BuildR
     output = Path(config.output).expanduser().resolve()
     if output.exists() and not config.overwrite:
         raise QpackError(f"artifact directory {output} already exists; pass --overwrite to rebuild it")
+    config.validate()
     calibration_dir = Path(config.calibration_dir).expanduser().resolve()
     stages: dict[str, float] = {}
     if config.calibration is None or not (calibration_dir / "manifest.json").is_file():
@@ -85,10 +115,10 @@ def run_build(config: BuildConfig, progress: Progress = NULL_PROGRESS) -> BuildR
             model=config.model,
             name=config.name,
             version=config.version,
-            preset=config.preset,
+            preset=PRESETS[config.preset],
             target_bits=config.target_bits,
             max_kl=config.max_kl_budget,
-            overrides=config.overrides,
+            overrides=PlanRules.parse(config.overrides),
             overwrite=config.overwrite,
             seed=config.seed,
         ),
@@ -96,20 +126,7 @@ def run_build(config: BuildConfig, progress: Progress = NULL_PROGRESS) -> BuildR
     )
     stages["quantize"] = time.perf_counter() - phase
     phase = time.perf_counter()
-    evaluated = evaluate(
-        EvaluateConfig(
-            artifact=output,
-            mmlu=config.mmlu,
-            subjects=config.subjects,
-            limit=config.limit,
-            shots=config.shots,
-            formats=config.formats,
-            calibration=calibration_dir,
-            gate=config.gate,
-            seed=config.seed,
-        ),
-        progress,
-    )
+    evaluated = evaluate(config.evaluate_config(output, calibration_dir), progress)
     stages["evaluate"] = time.perf_counter() - phase
     summary = _summary(output, calibration_dir, quantized, evaluated, stages)
     summary["seconds"] = round(time.perf_counter() - started, 1)
@@ -125,6 +142,7 @@ def _summary(
 ) -> dict[str, Any]:
     """The one JSON document a CI step reads: where things are, size, quality, MMLU drift, the gate."""
     manifest = quantized.manifest
+    evaluation = evaluated.evaluation
     return {
         "ok": evaluated.passed,
         "artifact": str(output),
@@ -136,16 +154,16 @@ def _summary(
         "quality": manifest["quality"],
         "mmlu": {
             fmt: {
-                "reference_accuracy": r["reference"]["accuracy"],
-                "accuracy": r["candidate"]["accuracy"],
-                "drift_points": r["drift_points"],
-                "drift_ci95_points": r["drift_ci95_points"],
-                "flip_rate": r["flips"]["flip_rate"],
-                "answer_kl": r["answer_kl"]["mean"],
+                "reference_accuracy": r.reference.accuracy,
+                "accuracy": r.candidate.accuracy,
+                "drift_points": r.drift_points,
+                "drift_ci95_points": list(r.drift_ci95_points),
+                "flip_rate": r.flips.flip_rate,
+                "answer_kl": r.answer_kl.mean,
             }
-            for fmt, r in evaluated.result["formats"].items()
+            for fmt, r in evaluation.formats.items()
         },
-        "heldout": evaluated.result.get("heldout"),
-        "gate": evaluated.result["gate"],
+        "heldout": json_value(evaluation.heldout),
+        "gate": evaluation.gate.to_json(),
         "stages_s": {k: round(v, 1) for k, v in stages.items()},
     }

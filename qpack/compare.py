@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evals.evaluate import EvaluateConfig, evaluate
+from evals.config import EvaluateConfig
+from evals.pipeline import evaluate
+from evals.results import Evaluation
 from quantize.common.errors import QpackError
 from quantize.common.fileio import write_bytes, write_json
 from quantize.common.progress import NULL_PROGRESS, Progress
@@ -76,13 +78,10 @@ def measure_speed(artifact: Path, prompt_tokens: int, new_tokens: int, repeats: 
     }
 
 
-def _row(
-    artifact: Path, evaluated: dict[str, Any], fmt: str, speed: dict[str, float] | None
-) -> dict[str, Any]:
+def _row(artifact: Path, evaluation: Evaluation, fmt: str, speed: dict[str, float] | None) -> dict[str, Any]:
     manifest = read_manifest(artifact)
     size = manifest.get("size", {})
-    report = evaluated["formats"][fmt]
-    heldout = evaluated.get("heldout")
+    report = evaluation.formats[fmt]
     return {
         "artifact": str(artifact),
         "name": f"{manifest.get('name', artifact.name)} v{manifest.get('version', '')}",
@@ -90,15 +89,15 @@ def _row(
         "ratio_to_fp32": size.get("ratio_to_fp32"),
         "avg_bits": size.get("avg_bits_quantized"),
         "speed": speed,
-        "accuracy": report["candidate"]["accuracy"],
-        "accuracy_ci95": report["candidate"]["ci95"],
-        "reference_accuracy": report["reference"]["accuracy"],
-        "drift_points": report["drift_points"],
-        "drift_ci95_points": report["drift_ci95_points"],
-        "flip_rate": report["flips"]["flip_rate"],
-        "answer_kl": report["answer_kl"]["mean"],
-        "heldout_kl": heldout["kl"] if heldout else None,
-        "questions": report["questions"],
+        "accuracy": report.candidate.accuracy,
+        "accuracy_ci95": list(report.candidate.ci95),
+        "reference_accuracy": report.reference.accuracy,
+        "drift_points": report.drift_points,
+        "drift_ci95_points": list(report.drift_ci95_points),
+        "flip_rate": report.flips.flip_rate,
+        "answer_kl": report.answer_kl.mean,
+        "heldout_kl": evaluation.heldout.kl if evaluation.heldout else None,
+        "questions": report.questions,
     }
 
 
@@ -106,7 +105,7 @@ def compare(config: CompareConfig, progress: Progress = NULL_PROGRESS) -> dict[s
     config.validate()
     rows, reference_id = [], None
     for artifact in config.artifacts:
-        evaluated = evaluate(
+        evaluation = evaluate(
             EvaluateConfig(
                 artifact=Path(artifact),
                 reference=config.reference,
@@ -121,18 +120,18 @@ def compare(config: CompareConfig, progress: Progress = NULL_PROGRESS) -> dict[s
                 sequential=False,
             ),
             progress,
-        ).result
-        reference_id = reference_id or evaluated["reference"]["id"]
-        if evaluated["reference"]["id"] != reference_id:
+        ).evaluation
+        reference_id = reference_id or evaluation.reference.id
+        if evaluation.reference.id != reference_id:
             raise QpackError(
-                f"{artifact} has a different source model ({evaluated['reference']['id']} vs {reference_id}); "
+                f"{artifact} has a different source model ({evaluation.reference.id} vs {reference_id}); "
                 "pass --reference to compare against one model"
             )
         speed = None
         if config.speed:
             with progress.task(f"Speed: {Path(artifact).name} (batch 1)"):
                 speed = measure_speed(Path(artifact), config.prompt_tokens, config.new_tokens, config.repeats)
-        rows.append(_row(Path(artifact), evaluated, config.fmt, speed))
+        rows.append(_row(Path(artifact), evaluation, config.fmt, speed))
     result = {
         "reference": reference_id,
         "format": config.fmt,

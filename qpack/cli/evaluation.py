@@ -1,15 +1,43 @@
-"""`qpack evaluate`: options -> `evals.evaluate.evaluate` -> drift tables and the gate's exit code."""
+"""`qpack evaluate`: options -> `evals.pipeline.evaluate` -> drift tables and the gate's exit code.
+
+`EvaluateConfig` names its problems by field; `named_by_flags` shows them under the flags of the command that
+was typed (`qpack evaluate`, `build`, `compare`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import typer
 
+from evals.config import EvaluateConfig, Gate
 from qpack.cli import options as opt
 from qpack.cli.app import app, formats, gate_exit, output, run
 from qpack.cli.app import output as output_of
 from qpack.cli.render import compare_table, eval_tables
+from quantize.common.config import ConfigError
+
+T = TypeVar("T")
+_FLAGS = {"artifact": "ARTIFACT", "token_budget": "--batch-tokens", "formats": "--format"}
+
+
+def evaluate_flag(field: str) -> str:
+    """The command-line flag of an `EvaluateConfig` field (`gate.max_drift` -> `--max-drift`)."""
+    name = field.removeprefix("gate.")
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def named_by_flags(what: str, call: Callable[[], T], config: type = EvaluateConfig) -> T:
+    """`call()`, the problems of a `config` (`EvaluateConfig`, or `BuildConfig` with its fields) raised as
+    "invalid {what}: --flag ..."."""
+    try:
+        return call()
+    except ConfigError as error:
+        if error.config != config.__name__:
+            raise
+        raise error.renamed(what, evaluate_flag) from None
 
 
 @app.command(help="Measure MMLU drift of an artifact against its reference; gate CI on it.")
@@ -46,8 +74,7 @@ def evaluate(
     ),
     prefill_dtype: opt.PrefillDtype = "float32",
 ) -> None:
-    from evals.evaluate import EvaluateConfig, Gate
-    from evals.evaluate import evaluate as run_evaluate
+    from evals.pipeline import evaluate as run_evaluate
 
     out = output(ctx)
     config = EvaluateConfig(
@@ -70,17 +97,10 @@ def evaluate(
         max_questions=max_questions,
         prefill_dtype=prefill_dtype,
     )
-    evaluated = run(out, lambda: run_evaluate(config, out.progress()))
-    result = evaluated.result
-    data = {
-        "ok": evaluated.passed,
-        **{k: v for k, v in result.items() if k != "formats"},
-        "formats": {
-            f: {k: v for k, v in r.items() if k != "kl_values"} for f, r in result["formats"].items()
-        },
-        "report_dir": str(evaluated.report_dir) if evaluated.report_dir else None,
-    }
-    out.result(data, *eval_tables(result))
+    evaluated = run(
+        out, lambda: named_by_flags("evaluate options", lambda: run_evaluate(config, out.progress()))
+    )
+    out.result(evaluated.to_json(), *eval_tables(evaluated.evaluation))
     gate_exit(out, evaluated.passed, evaluated.reasons)
 
 
@@ -118,5 +138,5 @@ def compare(
         speed=speed,
         output=output,
     )
-    result = run(out, lambda: run_compare(config, out.progress()))
+    result = run(out, lambda: named_by_flags("compare options", lambda: run_compare(config, out.progress())))
     out.result(result, compare_table(result))

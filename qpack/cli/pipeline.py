@@ -6,8 +6,10 @@ from pathlib import Path
 
 import typer
 
+from evals.config import Gate
 from qpack.cli import options as opt
 from qpack.cli.app import app, formats, gate_exit, output, run
+from qpack.cli.evaluation import named_by_flags
 from qpack.cli.render import build_table, eval_tables
 
 
@@ -35,7 +37,6 @@ def build(
     overwrite: opt.Overwrite = False,
     seed: opt.Seed = 0,
 ) -> None:
-    from evals.evaluate import Gate
     from qpack.build import BuildConfig, run_build
 
     out = output(ctx)
@@ -59,7 +60,9 @@ def build(
         overwrite=overwrite,
         seed=seed,
     )
-    built = run(out, lambda: run_build(config, out.progress()))
+    built = run(
+        out, lambda: named_by_flags("build options", lambda: run_build(config, out.progress()), BuildConfig)
+    )
     manifest = built.quantized.manifest
-    out.result(built.summary, build_table(built.summary, manifest), *eval_tables(built.evaluated.result))
+    out.result(built.summary, build_table(built.summary, manifest), *eval_tables(built.evaluated.evaluation))
     gate_exit(out, built.evaluated.passed, built.evaluated.reasons)

@@ -1,6 +1,6 @@
-"""Rendering command results for a terminal: rich tables built from the result dicts the libraries return.
+"""Rendering command results for a terminal: rich tables built from what the libraries return.
 
-Each function takes the data a command got back (a manifest, an evaluation result, a benchmark result) and
+Each function takes the data a command got back (a manifest, an evaluation, a benchmark result) and
 returns renderables; nothing here parses options or calls a library, so `--json` output and tables always show
 the same data.
 """
@@ -8,11 +8,14 @@ the same data.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
 from qpack.console import kv_table
+
+if TYPE_CHECKING:
+    from evals.results import CacheUse, Evaluation, SequentialSummary
 
 _SCHEME_STYLE = {
     "int4": "cyan",
@@ -209,13 +212,13 @@ def inspect_table(manifest: dict[str, Any], plan: Any, verified: bool) -> Table:
 # ------------------------------------------------------------------------------------------- evaluate
 
 
-def eval_tables(result: dict[str, Any]) -> list[Any]:
-    return [_drift_table(result), kv_table("Evaluation", _evaluation_rows(result))]
+def eval_tables(evaluation: Evaluation) -> list[Any]:
+    return [_drift_table(evaluation), kv_table("Evaluation", _evaluation_rows(evaluation))]
 
 
-def _drift_table(result: dict[str, Any]) -> Table:
+def _drift_table(evaluation: Evaluation) -> Table:
     table = Table(
-        title=f"MMLU {result['mmlu']['shots']}-shot, {result['mmlu']['questions']} questions",
+        title=f"MMLU {evaluation.mmlu.shots}-shot, {evaluation.mmlu.questions} questions",
         title_justify="left",
     )
     columns = (
@@ -230,80 +233,77 @@ def _drift_table(result: dict[str, Any]) -> Table:
     )
     for column in columns:
         table.add_column(column, justify="left" if column == "format" else "right")
-    for fmt, report in result["formats"].items():
-        ref, cand = report["reference"], report["candidate"]
-        low, high = report["drift_ci95_points"]
+    for fmt, report in evaluation.formats.items():
+        ref, cand = report.reference, report.candidate
+        low, high = report.drift_ci95_points
         drift_style = "red" if high < 0 else "green" if low > 0 else "white"
         table.add_row(
             fmt,
-            f"{ref['accuracy']:.1%} ±{(ref['ci95'][1] - ref['ci95'][0]) / 2:.1%}",
-            f"{cand['accuracy']:.1%} ±{(cand['ci95'][1] - cand['ci95'][0]) / 2:.1%}",
-            f"[{drift_style}]{report['drift_points']:+.2f}[/] [{low:+.2f}, {high:+.2f}]",
-            f"{report['flips']['flip_rate']:.1%}",
-            f"{report['flips']['right_to_wrong']}/{report['flips']['wrong_to_right']}",
-            f"{report['answer_kl']['mean']:.4f}",
-            f"{report['top1_agreement']:.1%}",
+            f"{ref.accuracy:.1%} ±{(ref.ci95[1] - ref.ci95[0]) / 2:.1%}",
+            f"{cand.accuracy:.1%} ±{(cand.ci95[1] - cand.ci95[0]) / 2:.1%}",
+            f"[{drift_style}]{report.drift_points:+.2f}[/] [{low:+.2f}, {high:+.2f}]",
+            f"{report.flips.flip_rate:.1%}",
+            f"{report.flips.right_to_wrong}/{report.flips.wrong_to_right}",
+            f"{report.answer_kl.mean:.4f}",
+            f"{report.top1_agreement:.1%}",
         )
     return table
 
 
-def _evaluation_rows(result: dict[str, Any]) -> list[tuple[str, Any]]:
-    rows: list[tuple[str, Any]] = [("reference", result["reference"]["id"])]
-    heldout = result.get("heldout")
+def _evaluation_rows(evaluation: Evaluation) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = [("reference", evaluation.reference.id)]
+    heldout = evaluation.heldout
     if heldout:
         rows.append(
             (
                 "held-out queries",
-                f"KL {heldout['kl']:.4f}, top-1 {heldout['top1_agreement']:.1%}, "
-                f"ppl {heldout['ppl']:.2f} (reference {heldout['ppl_reference']:.2f}), {heldout['tokens']} tokens",
+                f"KL {heldout.kl:.4f}, top-1 {heldout.top1_agreement:.1%}, "
+                f"ppl {heldout.ppl:.2f} (reference {heldout.ppl_reference:.2f}), {heldout.tokens} tokens",
             )
         )
-    elif result.get("heldout_note"):
-        rows.append(("held-out queries", result["heldout_note"]))
+    elif evaluation.heldout_note:
+        rows.append(("held-out queries", evaluation.heldout_note))
     rows.append(
         (
             "speed",
             ", ".join(
                 f"{name.removeprefix('mmlu_').replace('_', ' ')} {v:.2f} questions/s"
-                for name, v in result["items_per_second"].items()
+                for name, v in evaluation.items_per_second.items()
             ),
         )
     )
-    rows.append(("reference scores", _cache_line(result.get("reference_cache") or {})))
-    if not result.get("reference_loaded", True):
+    rows.append(("reference scores", _cache_line(evaluation.reference_cache)))
+    if not evaluation.reference_loaded:
         rows.append(("reference model", "not loaded: every reference result came from the cache"))
-    for fmt, report in result["formats"].items():
-        if "sequential" in report:
-            rows.append((f"sequential gate ({fmt})", _sequential_line(report["sequential"])))
-    gate = result["gate"]
-    if gate["checked"]:
-        verdict = (
-            "[green]passed[/]" if gate["passed"] else "[bold red]FAILED[/]: " + "; ".join(gate["reasons"])
-        )
+    for fmt, report in evaluation.formats.items():
+        if report.sequential is not None:
+            rows.append((f"sequential gate ({fmt})", _sequential_line(report.sequential)))
+    gate = evaluation.gate
+    if gate.checked:
+        verdict = "[green]passed[/]" if gate.passed else "[bold red]FAILED[/]: " + "; ".join(gate.reasons)
         rows.append(("gate", verdict))
     return rows
 
 
-def _cache_line(caches: dict[str, Any]) -> str:
-    if not caches or all(cache is None for cache in caches.values()):
+def _cache_line(caches: dict[str, CacheUse | None]) -> str:
+    if all(cache is None for cache in caches.values()):
         return "computed (--no-cache)"
     return "; ".join(
-        f"{fmt}: {cache['questions_from_cache']} questions from cache {cache['path']}"
+        f"{fmt}: {cache.questions_from_cache} questions from cache {cache.path}"
         if cache
         else f"{fmt}: computed (--no-cache)"
         for fmt, cache in caches.items()
     )
 
 
-def _sequential_line(sequential: dict[str, Any]) -> str:
-    low, high = sequential["drop_interval_points"]
+def _sequential_line(sequential: SequentialSummary) -> str:
+    low, high = sequential.drop_interval_points
     verdicts = ", ".join(
-        f"{name} {d['verdict']} after {d['questions']} questions"
-        for name, d in sequential["decisions"].items()
+        f"{name} {d.verdict} after {d.questions} questions" for name, d in sequential.decisions.items()
     )
     return (
-        f"{verdicts or 'undecided'}; drop in [{low:+.2f}, {high:+.2f}] pts at {sequential['confidence']:.0%} "
-        f"(anytime-valid); {sequential['stopped']}; scored {sequential['scored']}"
+        f"{verdicts or 'undecided'}; drop in [{low:+.2f}, {high:+.2f}] pts at {sequential.confidence:.0%} "
+        f"(anytime-valid); {sequential.stopped}; scored {sequential.scored}"
     )
 
 

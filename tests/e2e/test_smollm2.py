@@ -54,14 +54,15 @@ def test_calibrate_defaults_on_sharegpt(smollm2_calibration: Path) -> None:
 def smollm2_int8(smollm2_calibration: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from quantize.config import QuantizeConfig
     from quantize.pipeline import quantize_model
-    from quantize.sensitivity.measure import SensitivityConfig
+    from quantize.planning.presets import PRESETS
+    from quantize.sensitivity.settings import SensitivityConfig
 
     out = tmp_path_factory.mktemp("e2e-art") / "int8"
     result = quantize_model(
         QuantizeConfig(
             output=out,
             calibration=smollm2_calibration,
-            preset="int8",
+            preset=PRESETS["int8"],
             sensitivity=SensitivityConfig(num_tokens=64),
             calib_tokens=512,
             eval_tokens=256,
@@ -94,7 +95,7 @@ def test_scoring_on_smollm2_matches_naive(mmlu_dir: Path) -> None:
 
 
 def test_evaluate_int8_artifact(smollm2_int8: Path, mmlu_dir: Path) -> None:
-    from evals.evaluate import EvaluateConfig, Gate, evaluate
+    from evals import EvaluateConfig, Gate, evaluate
 
     result = evaluate(
         EvaluateConfig(
@@ -107,5 +108,5 @@ def test_evaluate_int8_artifact(smollm2_int8: Path, mmlu_dir: Path) -> None:
         )
     )
     assert result.passed
-    assert result.result["reference"]["id"] == "smollm2-135m"
-    assert result.result["heldout"]["kl"] < 0.02
+    assert result.evaluation.reference.id == "smollm2-135m"
+    assert result.evaluation.heldout is not None and result.evaluation.heldout.kl < 0.02

@@ -6,6 +6,7 @@ import torch
 
 from evals.drift import drift_report, paired_bootstrap, wilson_interval
 from evals.mmlu import Item
+from evals.results import Flips
 
 
 def test_wilson_reference_values() -> None:
@@ -43,8 +44,17 @@ def test_drift_report_counts() -> None:
         items[3].key: one_hot(1),
     }
     report = drift_report(items, reference, candidate)
-    assert report["reference"]["accuracy"] == 0.5 and report["candidate"]["accuracy"] == 0.5
-    assert report["flips"] == {"right_to_wrong": 1, "wrong_to_right": 1, "changed": 3, "flip_rate": 0.75}
-    assert report["drift_points"] == 0.0 and report["top1_agreement"] == 0.25
-    assert report["answer_kl"]["mean"] > 1.0 and report["kl_values"][0] == pytest.approx(0.0, abs=1e-12)
-    assert report["subjects"]["s"]["flips"] == 3
+    assert report.reference.accuracy == 0.5 and report.candidate.accuracy == 0.5
+    assert report.flips == Flips(right_to_wrong=1, wrong_to_right=1, changed=3, flip_rate=0.75)
+    assert report.drift_points == 0.0 and report.top1_agreement == 0.25
+    assert report.answer_kl.mean > 1.0 and report.kl_values[0] == pytest.approx(0.0, abs=1e-12)
+    assert report.subjects["s"].flips == 3 and report.sequential is None
+    data = report.to_json()
+    assert data["flips"] == {"right_to_wrong": 1, "wrong_to_right": 1, "changed": 3, "flip_rate": 0.75}
+    assert data["reference"] == {
+        "accuracy": 0.5,
+        "ci95": list(report.reference.ci95),
+        "correct": 2,
+        "total": 4,
+    }
+    assert "kl_values" not in data and "sequential" not in data and data["subjects"]["s"]["n"] == 4

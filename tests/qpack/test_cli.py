@@ -56,11 +56,21 @@ def test_calibrate_json_and_errors(tmp_path: Path, tiny_llama: Path) -> None:
     table = runner.invoke(app, [*args, "--overwrite"])
     assert table.exit_code == 0 and "Cleaning" in table.stdout and "kept (sampling pool)" in table.stdout
 
+    assert "already exists; set --overwrite" in error["error"]
+
     missing = runner.invoke(
         app, ["calibrate", "--queries", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "x")]
     )
-    assert missing.exit_code == 2 and "does not exist" in missing.stderr
+    assert (
+        missing.exit_code == 2 and "--queries file" in missing.stderr and "does not exist" in missing.stderr
+    )
     assert "Traceback" not in missing.output
+    bad = runner.invoke(app, ["calibrate", "--turns", "some", "-n", "0", "--max-tokens", "2"])
+    assert bad.exit_code == 2
+    assert (
+        "invalid calibration options: --turns must be one of first, all (got 'some'); --num-samples must be at "
+        "least 1 (got 0); --max-tokens (2) must be at least min_tokens (4)" in " ".join(bad.stderr.split())
+    )
 
 
 def test_quantize_and_inspect(tmp_path: Path, tiny_llama: Path, tiny_llama_calibration: Path) -> None:
@@ -91,6 +101,93 @@ def test_quantize_and_inspect(tmp_path: Path, tiny_llama: Path, tiny_llama_calib
     assert bad.exit_code == 2 and "calibration directory" in bad.stderr
     again = runner.invoke(app, args)
     assert again.exit_code == 2 and "already exists" in again.stderr
+
+
+def test_quantize_reports_every_bad_option_at_once_by_its_flag(
+    tmp_path: Path, tiny_llama_calibration: Path
+) -> None:
+    result = runner.invoke(
+        app,
+        [
+            "--json",
+            "quantize",
+            "-c",
+            str(tiny_llama_calibration),
+            "-o",
+            str(tmp_path / "art"),
+            "--preset",
+            "int2",
+            "--scheme",
+            "int5",
+            "--damp",
+            "2",
+            "--target-bits",
+            "40",
+            "--sensitivity",
+            "guess",
+            "--max-shard-size",
+            "1KB",
+        ],
+    )
+    assert result.exit_code == 2
+    error = json.loads(result.stdout)["error"]
+    assert error.startswith("invalid quantize options: ")
+    for fragment in (
+        "--preset must be one of int8, int4, mixed, w8a8 (got 'int2')",
+        "--scheme unknown scheme 'int5'",
+    ):
+        assert fragment in error
+    assert not (tmp_path / "art").exists()
+    parsed = runner.invoke(
+        app,
+        [
+            "--json",
+            "quantize",
+            "-c",
+            str(tiny_llama_calibration),
+            "-o",
+            str(tmp_path / "a"),
+            "--damp",
+            "2",
+            "--target-bits",
+            "40",
+            "--sensitivity",
+            "guess",
+            "--max-shard-size",
+            "1KB",
+            "--group-size",
+            "48",
+        ],
+    )
+    error = json.loads(parsed.stdout)["error"]
+    assert "--group-size must be one of 32, 64, 128 (got 48)" in error
+    fixed = runner.invoke(
+        app,
+        [
+            "--json",
+            "quantize",
+            "-c",
+            str(tiny_llama_calibration),
+            "-o",
+            str(tmp_path / "a"),
+            "--damp",
+            "2",
+            "--target-bits",
+            "40",
+            "--sensitivity",
+            "guess",
+            "--max-shard-size",
+            "1KB",
+        ],
+    )
+    error = json.loads(fixed.stdout)["error"]
+    for fragment in (
+        "--target-bits must be in [2, 32] (got 40.0)",
+        "--damp must be in (0, 1) (got 2.0)",
+        "--sensitivity must be one of auto, kl, kl-all, fisher, mse (got 'guess')",
+        "--max-shard-size must be at least 16 KiB (got 1000 bytes)",
+    ):
+        assert fragment in error, fragment
 
 
 def test_serve_reports_every_bad_option_at_once(tiny_llama: Path) -> None:
