@@ -73,12 +73,12 @@ class CalibrationConfig:
         problems.check(
             self.max_tokens >= self.min_tokens,
             "max_tokens",
-            f"({self.max_tokens}) must be at least min_tokens ({self.min_tokens})",
+            f"({self.max_tokens}) must be at least `min_tokens` ({self.min_tokens})",
         )
         problems.check(
             self.token_budget >= self.max_tokens,
             "token_budget",
-            f"({self.token_budget}) must be at least max_tokens ({self.max_tokens})",
+            f"({self.token_budget}) must be at least `max_tokens` ({self.max_tokens})",
         )
         problems.check(
             self.max_memory is None or self.max_memory >= 2**26,

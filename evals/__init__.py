@@ -12,8 +12,8 @@ from quantize.common.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from evals.config import EvaluateConfig, Gate
-    from evals.pipeline import evaluate
     from evals.mmlu import load_mmlu
+    from evals.pipeline import evaluate
     from evals.results import EvaluateResult, Evaluation
 
 _EXPORTS = {

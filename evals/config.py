@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantize.common.config import Problems, one_of
+from quantize.runtime.precision import DEFAULT_PREFILL_DTYPE, PREFILL_DTYPE_NAMES
 
 FORMATS = ("letter", "cloze")
 
@@ -79,7 +80,7 @@ class EvaluateConfig:
     """Confidence of the sequential gate."""
     max_questions: int | None = None
     """Sequential: fail a gate still undecided after N questions (a time cap)."""
-    prefill_dtype: str = "float32"
+    prefill_dtype: str = DEFAULT_PREFILL_DTYPE
     """Precision of the artifact's prefill-sized GEMMs, as `qpack serve` runs them: float32 or bfloat16 (the
     reference always runs float32)."""
 
@@ -91,8 +92,6 @@ class EvaluateConfig:
 
     def validate(self) -> None:
         """Every problem at once (ConfigError), each named by its field."""
-        from quantize.runtime.modules import PREFILL_DTYPES
-
         problems = Problems()
         problems.check(0 <= self.shots <= 5, "shots", f"must be 0..5 (got {self.shots})")
         problems.check(bool(self.formats), "formats", "must name at least one of " + ", ".join(FORMATS))
@@ -117,6 +116,8 @@ class EvaluateConfig:
             self.token_budget >= 256, "token_budget", f"must be at least 256 (got {self.token_budget})"
         )
         problems.check(
-            self.prefill_dtype in PREFILL_DTYPES, "prefill_dtype", one_of(self.prefill_dtype, PREFILL_DTYPES)
+            self.prefill_dtype in PREFILL_DTYPE_NAMES,
+            "prefill_dtype",
+            one_of(self.prefill_dtype, PREFILL_DTYPE_NAMES),
         )
         problems.raise_if_any(self)

@@ -8,145 +8,121 @@ budget skips the expensive part. The result is one JSON summary; the exit code i
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from calibrate import CalibrationConfig, run_calibration
-from evals.config import EvaluateConfig, Gate
+from calibrate import CalibrationConfig, CalibrationResult, run_calibration
+from evals.config import EvaluateConfig
 from evals.pipeline import evaluate
 from evals.results import EvaluateResult
-from quantize.common.config import ConfigError, Problems, json_value, one_of
-from quantize.common.errors import QpackError
+from quantize.common.config import Problems, json_value
+from quantize.common.fileio import check_output_dir
 from quantize.common.progress import NULL_PROGRESS, Progress
 from quantize.config import QuantizeConfig, QuantizeResult
 from quantize.pipeline import quantize_model
-from quantize.planning.plan import PlanRules
-from quantize.planning.presets import PRESETS
 
 
 @dataclass(frozen=True)
 class BuildConfig:
-    output: Path
-    model: str | None = None
-    queries: tuple[str, ...] = ()
-    calibration: Path | None = None
-    num_samples: int = 512
-    preset: str = "mixed"
-    target_bits: float | None = None
-    max_kl_budget: float | None = None
-    overrides: tuple[str, ...] = ()
-    name: str | None = None
-    version: str = "1"
-    mmlu: Path | None = None
-    subjects: str | None = None
-    limit: int | None = 5
-    shots: int = 5
-    formats: tuple[str, ...] = ("letter",)
-    gate: Gate = dataclasses.field(default_factory=Gate)
-    overwrite: bool = False
-    seed: int = 0
+    """One CI build: the calibration directory (built first unless it exists), the quantization, the evaluation.
 
-    @property
-    def calibration_dir(self) -> Path:
-        return self.calibration or self.output.with_name(self.output.name + ".calibration")
+    The three stages are the configs the individual commands take; they are linked by their paths: the
+    calibration writes `quantize.calibration`, and the evaluation reads `quantize.output`.
+    """
 
-    def evaluate_config(self, output: Path, calibration: Path) -> EvaluateConfig:
-        return EvaluateConfig(
-            artifact=output,
-            mmlu=self.mmlu,
-            subjects=self.subjects,
-            limit=self.limit,
-            shots=self.shots,
-            formats=self.formats,
-            calibration=calibration,
-            gate=self.gate,
-            seed=self.seed,
+    quantize: QuantizeConfig
+    """How to quantize; `quantize.output` is the artifact, `quantize.calibration` the calibration directory."""
+    calibration: CalibrationConfig | None = None
+    """How to build the calibration directory when it does not exist yet (default: the defaults for
+    `quantize.model`); its output must be `quantize.calibration`."""
+    evaluate: EvaluateConfig | None = None
+    """How to evaluate the artifact (default: 5 MMLU questions per subject, no gate); its artifact must be
+    `quantize.output`."""
+
+    def calibration_config(self) -> CalibrationConfig:
+        return self.calibration or CalibrationConfig(
+            output=self.quantize.calibration, model=self.quantize.model, overwrite=self.quantize.overwrite
+        )
+
+    def evaluate_config(self) -> EvaluateConfig:
+        return self.evaluate or EvaluateConfig(
+            artifact=self.quantize.output, calibration=self.quantize.calibration, limit=5
         )
 
     def validate(self) -> None:
-        """Every problem at once (ConfigError), before calibrating and quantizing, which take minutes."""
+        """Every problem of the three stages at once (ConfigError, fields under `calibration.`, `quantize.`,
+        `evaluate.`), before calibrating and quantizing, which take minutes."""
         problems = Problems()
-        problems.check(self.preset in PRESETS, "preset", one_of(self.preset, PRESETS))
-        try:
-            self.evaluate_config(self.output, self.calibration_dir).validate()
-        except ConfigError as error:
-            for problem in error.problems:  # the evaluation's fields are this config's, by the same names
-                problems.add(problem.field, problem.message)
+        problems.nested("quantize", self.quantize.validate)
+        problems.nested("calibration", self.calibration_config().validate)
+        problems.nested("evaluate", self.evaluate_config().validate)
+        same = Path(self.calibration_config().output).expanduser().resolve()
+        problems.check(
+            same == Path(self.quantize.calibration).expanduser().resolve(),
+            "calibration.output",
+            "must be `quantize.calibration`",
+        )
+        artifact = Path(self.evaluate_config().artifact).expanduser().resolve()
+        problems.check(
+            artifact == Path(self.quantize.output).expanduser().resolve(),
+            "evaluate.artifact",
+            "must be `quantize.output`",
+        )
         problems.raise_if_any(self)
 
 
 @dataclass
 class BuildResult:
-    summary: dict[str, Any]
+    """What a build made: the calibration directory (None when it existed), the artifact, its evaluation."""
+
+    calibrated: CalibrationResult | None
     quantized: QuantizeResult
     evaluated: EvaluateResult
+    stages_s: dict[str, float]
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.evaluated.passed
+
+    def to_json(self) -> dict[str, Any]:
+        """The one JSON document a CI step reads: where things are, size, quality, MMLU drift, the gate."""
+        summary = _summary(self.quantized, self.evaluated)
+        summary["stages_s"] = {k: round(v, 1) for k, v in self.stages_s.items()}
+        summary["seconds"] = round(self.seconds, 1)
+        return summary
 
 
 def run_build(config: BuildConfig, progress: Progress = NULL_PROGRESS) -> BuildResult:
     started = time.perf_counter()
-    output = Path(config.output).expanduser().resolve()
-    if output.exists() and not config.overwrite:
-        raise QpackError(f"artifact directory {output} already exists; pass --overwrite to rebuild it")
     config.validate()
-    calibration_dir = Path(config.calibration_dir).expanduser().resolve()
+    output = Path(config.quantize.output).expanduser().resolve()
+    check_output_dir(output, config.quantize.overwrite, "artifact directory")
     stages: dict[str, float] = {}
-    if config.calibration is None or not (calibration_dir / "manifest.json").is_file():
+    calibrated = None
+    calibration = config.calibration_config()
+    if not (Path(calibration.output).expanduser() / "manifest.json").is_file():
         phase = time.perf_counter()
-        run_calibration(
-            CalibrationConfig(
-                output=calibration_dir,
-                model=config.model,
-                queries=config.queries,
-                num_samples=config.num_samples,
-                seed=config.seed,
-                overwrite=config.overwrite,
-            ),
-            progress,
-        )
+        calibrated = run_calibration(calibration, progress)
         stages["calibrate"] = time.perf_counter() - phase
     phase = time.perf_counter()
-    quantized = quantize_model(
-        QuantizeConfig(
-            output=output,
-            calibration=calibration_dir,
-            model=config.model,
-            name=config.name,
-            version=config.version,
-            preset=PRESETS[config.preset],
-            target_bits=config.target_bits,
-            max_kl=config.max_kl_budget,
-            overrides=PlanRules.parse(config.overrides),
-            overwrite=config.overwrite,
-            seed=config.seed,
-        ),
-        progress,
-    )
+    quantized = quantize_model(config.quantize, progress)
     stages["quantize"] = time.perf_counter() - phase
     phase = time.perf_counter()
-    evaluated = evaluate(config.evaluate_config(output, calibration_dir), progress)
+    evaluated = evaluate(config.evaluate_config(), progress)
     stages["evaluate"] = time.perf_counter() - phase
-    summary = _summary(output, calibration_dir, quantized, evaluated, stages)
-    summary["seconds"] = round(time.perf_counter() - started, 1)
-    return BuildResult(summary, quantized, evaluated)
+    return BuildResult(calibrated, quantized, evaluated, stages, time.perf_counter() - started)
 
 
-def _summary(
-    output: Path,
-    calibration_dir: Path,
-    quantized: QuantizeResult,
-    evaluated: EvaluateResult,
-    stages: dict[str, float],
-) -> dict[str, Any]:
-    """The one JSON document a CI step reads: where things are, size, quality, MMLU drift, the gate."""
+def _summary(quantized: QuantizeResult, evaluated: EvaluateResult) -> dict[str, Any]:
     manifest = quantized.manifest
     evaluation = evaluated.evaluation
     return {
         "ok": evaluated.passed,
-        "artifact": str(output),
-        "calibration": str(calibration_dir),
+        "artifact": str(quantized.output),
+        "calibration": manifest["calibration"]["path"],
         "name": manifest["name"],
         "version": manifest["version"],
         "plan": manifest["quantization"]["summary"],
@@ -165,5 +141,4 @@ def _summary(
         },
         "heldout": json_value(evaluation.heldout),
         "gate": evaluation.gate.to_json(),
-        "stages_s": {k: round(v, 1) for k, v in stages.items()},
     }

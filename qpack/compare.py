@@ -17,6 +17,7 @@ from typing import Any
 from evals.config import EvaluateConfig
 from evals.pipeline import evaluate
 from evals.results import Evaluation
+from quantize.common.config import Problems
 from quantize.common.errors import QpackError
 from quantize.common.fileio import write_bytes, write_json
 from quantize.common.progress import NULL_PROGRESS, Progress
@@ -25,38 +26,57 @@ from quantize.io.artifact import read_manifest
 
 @dataclass(frozen=True)
 class CompareConfig:
+    """Several artifacts side by side against one reference."""
+
     artifacts: tuple[Path, ...]
+    """Artifact directories."""
     reference: str | None = None
+    """Reference model or artifact (default: the first artifact's source)."""
     mmlu: Path | None = None
+    """MMLU directory (hendrycks or cais layout)."""
     subjects: str | None = None
+    """Comma-separated subset of subjects."""
     limit: int | None = None
+    """At most N questions per subject (stratified)."""
     shots: int = 5
+    """Few-shot examples from the dev split (0-5)."""
     fmt: str = "letter"
+    """MMLU prompt format: letter or cloze."""
     seed: int = 0
+    """Seed for the limited sample and the bootstrap."""
     cache: bool = True
+    """Reuse the reference's cached scores (and add to them)."""
     speed: bool = True
+    """Measure batch-1 prefill and decode speed."""
     prompt_tokens: int = 256
+    """Prompt length of the speed measurement."""
     new_tokens: int = 32
+    """Tokens generated in the speed measurement."""
     repeats: int = 3
+    """Runs of the speed measurement (median reported)."""
     output: Path | None = None
+    """Write PATH.md and PATH.json."""
 
     def validate(self) -> None:
-        problems = []
-        if not self.artifacts:
-            problems.append("name at least one artifact directory")
+        """Every problem at once (ConfigError), each named by its field."""
+        problems = Problems()
+        problems.check(bool(self.artifacts), "artifacts", "must name at least one artifact directory")
         for path in self.artifacts:
-            if not (Path(path) / "manifest.json").is_file():
-                problems.append(f"{path} is not an artifact (no manifest.json)")
-        if len(set(map(str, self.artifacts))) != len(self.artifacts):
-            problems.append("an artifact is named twice")
-        if self.prompt_tokens < 1 or self.new_tokens < 2 or self.repeats < 1:
-            problems.append("--prompt-tokens must be >= 1, --new-tokens >= 2, --repeats >= 1")
-        if self.output is not None and not _stem(Path(self.output)).parent.is_dir():
-            problems.append(
-                f"folder {_stem(Path(self.output)).parent} does not exist; create it or fix --output"
+            problems.check(
+                (Path(path) / "manifest.json").is_file(),
+                "artifacts",
+                f"{path} is not an artifact (no manifest.json)",
             )
-        if problems:
-            raise QpackError("invalid compare options: " + "; ".join(problems))
+        problems.check(
+            len(set(map(str, self.artifacts))) == len(self.artifacts), "artifacts", "name one twice"
+        )
+        problems.check(self.prompt_tokens >= 1, "prompt_tokens", f"must be >= 1 (got {self.prompt_tokens})")
+        problems.check(self.new_tokens >= 2, "new_tokens", f"must be >= 2 (got {self.new_tokens})")
+        problems.check(self.repeats >= 1, "repeats", f"must be >= 1 (got {self.repeats})")
+        if self.output is not None:
+            folder = _stem(Path(self.output)).parent
+            problems.check(folder.is_dir(), "output", f"folder {folder} does not exist; create it first")
+        problems.raise_if_any(self)
 
 
 def measure_speed(artifact: Path, prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, float]:
@@ -125,7 +145,7 @@ def compare(config: CompareConfig, progress: Progress = NULL_PROGRESS) -> dict[s
         if evaluation.reference.id != reference_id:
             raise QpackError(
                 f"{artifact} has a different source model ({evaluation.reference.id} vs {reference_id}); "
-                "pass --reference to compare against one model"
+                "give `reference` to compare against one model"
             )
         speed = None
         if config.speed:

@@ -97,7 +97,7 @@ class QuantizeConfig:
 
     def _check_budget(self, problems: Problems) -> None:
         problems.check(
-            self.target_bits is None or self.max_kl is None, "target_bits", "and max_kl exclude each other"
+            self.target_bits is None or self.max_kl is None, "target_bits", "and `max_kl` exclude each other"
         )
         problems.check(
             self.target_bits is None or 2.0 <= self.target_bits <= 32.0,

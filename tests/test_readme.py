@@ -54,7 +54,9 @@ def test_each_librarys_lazy_exports_are_typed_and_resolve() -> None:
         assert typed == exported, (
             f"{package}: typed but not exported {typed - exported}, the reverse {exported - typed}"
         )
-        submodules = {p.stem for p in Path(module.__file__).parent.iterdir() if p.suffix == ".py" or p.is_dir()}
+        submodules = {
+            p.stem for p in Path(module.__file__).parent.iterdir() if p.suffix == ".py" or p.is_dir()
+        }
         shadowed = exported & submodules  # importing such a submodule would replace the name with the module
         assert not shadowed, f"{package} exports names of its own submodules: {shadowed}"
         for name in sorted(exported):

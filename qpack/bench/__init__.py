@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from qpack.bench.decode import DecodeConfig, run_decode_bench
+from qpack.bench.config import DecodeConfig, ServeBenchConfig
+from qpack.bench.decode import run_decode_bench
 from qpack.bench.report import (
     decode_markdown,
     decode_plots,
@@ -21,7 +22,7 @@ from qpack.bench.report import (
     serve_plots,
     write_results,
 )
-from qpack.bench.serving import ServeBenchConfig, run_serve_bench
+from qpack.bench.serving import run_serve_bench
 
 
 def bench_decode(config: DecodeConfig, out_dir: Path | None = None) -> tuple[dict[str, Any], Path]:

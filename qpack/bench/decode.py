@@ -20,35 +20,12 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from quantize.common.errors import QpackError
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    artifact: Path
-    reference: str | None = None
-    batches: tuple[int, ...] = (1, 4, 16, 32)
-    prompt_tokens: int = 128
-    new_tokens: int = 64
-    repeats: int = 3
-    seed: int = 0
-    compile: bool = False
-    prefill_dtype: str = "float32"  # the artifact's prefill GEMMs (quantize.runtime.precision)
-
-    def validate(self) -> None:
-        from quantize.runtime.precision import PREFILL_DTYPE_NAMES
-
-        if self.prefill_dtype not in PREFILL_DTYPE_NAMES:
-            raise QpackError(
-                f"--prefill-dtype must be one of {', '.join(PREFILL_DTYPE_NAMES)} (got {self.prefill_dtype!r})"
-            )
+from qpack.bench.config import DecodeConfig
 
 
 class _PeakRss:

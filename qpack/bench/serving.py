@@ -19,52 +19,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from qpack.bench.config import ServeBenchConfig
 from qpack.bench.loadgen import BenchRequest, run_level
-from quantize.common.errors import QpackError
-
-
-@dataclass(frozen=True)
-class ServeBenchConfig:
-    artifact: Path | None
-    url: str | None = None
-    baseline: str = "naive"
-    baseline_model: str | None = None
-    levels: tuple[int, ...] = (10, 30, 50)
-    rates: tuple[float, ...] = ()
-    requests_per_level: int | None = None
-    max_prompt_tokens: int = 512
-    max_output_tokens: int = 128
-    max_seconds: float = 900.0
-    abort_fraction: float = 0.0
-    seed: int = 0
-    kv_memory: str = "512MB"
-    max_num_seqs: int = 64
-    prefill_dtype: str = "float32"  # of the qpack server started here (a --url server reports its own)
-    extra_server_args: tuple[str, ...] = ()
-
-    def validate(self) -> None:
-        if self.baseline not in ("naive", "none"):
-            raise QpackError(f"--baseline must be naive or none (got {self.baseline!r})")
-        if self.artifact is None and self.url is None:
-            raise QpackError("give an artifact directory to serve, or --url of a running qpack server")
-        if self.url is not None and not self.url.startswith(
-            ("http://127.", "http://localhost", "http://[::1]")
-        ):
-            raise QpackError(
-                f"--url {self.url} is not a loopback address; the load generator only targets this machine"
-            )
-        from quantize.runtime.precision import PREFILL_DTYPE_NAMES
-
-        if self.prefill_dtype not in PREFILL_DTYPE_NAMES:
-            raise QpackError(
-                f"--prefill-dtype must be one of {', '.join(PREFILL_DTYPE_NAMES)} (got {self.prefill_dtype!r})"
-            )
 
 
 def sharegpt_requests(

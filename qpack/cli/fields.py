@@ -188,15 +188,18 @@ class Options:
                     fields[path] = tuple(value) if isinstance(value, list) else value
         if self.build is not None:
             fields.update(self.build(parsed, problems))
+        failed = {p.field for p in problems.found}
+        config = _construct(self.config_class, {**fields, **fixed})  # the failed fields at their defaults
+        validate = getattr(config, "validate", None)
         try:
-            if problems.found:
-                raise ConfigError(self.config_class.__name__, problems.found)
-            config = _construct(self.config_class, {**fields, **fixed})
-            validate = getattr(config, "validate", None)
             if validate is not None:
                 validate()
         except ConfigError as error:
-            raise error.renamed(f"{self.what} options", self.flag_for) from None
+            problems.found += [p for p in error.problems if p.field not in failed]
+        if problems.found:
+            raise ConfigError(self.config_class.__name__, problems.found).renamed(
+                f"{self.what} options", self.flag_for
+            )
         return config
 
     def translated(self, call: Callable[[], C]) -> C:
@@ -225,13 +228,15 @@ class Options:
         return names
 
     def flag_for(self, path: str) -> str:
-        """The flag to name a field by: its option's, else the nearest enclosing field's, else the path."""
+        """The flag to name a field by: its option's, else the nearest enclosing field's, else the one option
+        for a field of that name in a nested config (a generic message naming `overwrite`), else the path."""
         probe = path
         while probe:
             if probe in self._names:
                 return self._names[probe]
             probe = probe.rpartition(".")[0]
-        return path
+        nested = {flag for known, flag in self._names.items() if known.rsplit(".", 1)[-1] == path}
+        return nested.pop() if len(nested) == 1 else path
 
 
 def _strip(message: str) -> str:

@@ -1,68 +1,99 @@
-"""`qpack build`: options -> `qpack.build.run_build` (calibrate -> quantize -> evaluate) -> one summary."""
+"""`qpack build`: options (built from `qpack.build.BuildConfig`: its calibration, quantize and evaluate stages) ->
+`qpack.build.run_build` (calibrate -> quantize -> evaluate) -> one summary."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
-from evals.config import Gate
-from qpack.cli import options as opt
+from qpack.build import BuildConfig
 from qpack.cli.app import app, formats, gate_exit, output, run
-from qpack.cli.evaluation import named_by_flags
+from qpack.cli.fields import Option, Options, choice
 from qpack.cli.render import build_table, eval_tables
+from quantize.common.config import Problems
+from quantize.planning.plan import PlanRules
+from quantize.planning.presets import PRESETS
+
+
+def _linked(values: dict[str, Any], _problems: Problems) -> dict[str, Any]:
+    """The paths that tie the stages: the calibration directory (--calibration, else ARTIFACT.calibration) and the
+    artifact the evaluation reads."""
+    artifact = Path(values["quantize_output"])
+    calibration = values["calibration_dir"] or artifact.with_name(artifact.name + ".calibration")
+    return {
+        "quantize.calibration": calibration,
+        "calibration.output": calibration,
+        "evaluate.artifact": artifact,
+        "evaluate.calibration": calibration,
+    }
+
+
+BUILD = Options(
+    BuildConfig,
+    [
+        Option("quantize.output", ("--output", "-o")),
+        Option("quantize.model", ("--model", "-m"), also=("calibration.model",)),
+        Option("calibration.queries", ("--queries",)),
+        Option(
+            "",
+            ("--calibration",),
+            Path | None,
+            None,
+            help="Reuse this calibration directory (default: ARTIFACT.calibration, built when it is missing).",
+            name="calibration_dir",
+        ),
+        Option("calibration.num_samples", ("--num-samples", "-n")),
+        Option("quantize.preset", ("--preset", "-p"), str, "mixed", choice(PRESETS, "quantize.preset")),
+        Option("quantize.target_bits", ("--target-bits",)),
+        Option(
+            "quantize.overrides",
+            ("--override",),
+            list[str],
+            [],
+            PlanRules.parse,
+            help="PATTERN=SCHEME, e.g. 're:.*down_proj=int8' (repeatable; fp32 keeps a layer FP32).",
+        ),
+        Option("quantize.name", ("--name",)),
+        Option("quantize.version", ("--version",)),
+        Option("evaluate.mmlu", ("--mmlu",)),
+        Option("evaluate.subjects", ("--subjects",)),
+        Option(
+            "evaluate.limit",
+            ("--limit",),
+            int,
+            5,
+            lambda n: None if n == 0 else n,
+            help="MMLU questions per subject (0 = all).",
+        ),
+        Option("evaluate.shots", ("--shots",)),
+        Option("evaluate.formats", ("--format",), str, "letter", formats, help="letter, cloze or both."),
+        Option("evaluate.gate.max_drift", ("--max-drift",)),
+        Option("evaluate.gate.max_kl", ("--max-kl",)),
+        Option("evaluate.gate.max_flip_rate", ("--max-flip-rate",)),
+        Option("quantize.overwrite", ("--overwrite",), also=("calibration.overwrite",)),
+        Option(
+            "quantize.seed",
+            ("--seed",),
+            also=("quantize.sensitivity.seed", "calibration.seed", "evaluate.seed"),
+        ),
+    ],
+    "build",
+    build=_linked,
+)
 
 
 @app.command(help="calibrate → quantize → evaluate with a gate, in one command for CI.")
-def build(
-    ctx: typer.Context,
-    out_dir: Path = typer.Option(..., "--output", "-o", help="Artifact directory to write."),
-    model: opt.ModelSpec = None,
-    queries: opt.Queries = [],  # noqa: B006 - typer copies list defaults
-    calibration: Path | None = typer.Option(None, "--calibration", help="Reuse this calibration directory."),
-    num_samples: opt.NumSamples = 512,
-    preset: opt.Preset = "mixed",
-    target_bits: opt.TargetBits = None,
-    override: opt.Overrides = [],  # noqa: B006
-    name: opt.Name = None,
-    version: opt.Version = "1",
-    mmlu: opt.Mmlu = None,
-    subjects: opt.Subjects = None,
-    limit: int | None = typer.Option(5, "--limit", help="MMLU questions per subject (0 = all)."),
-    shots: opt.Shots = 5,
-    fmt: opt.Format = "letter",
-    max_drift: opt.MaxDrift = None,
-    max_kl: opt.MaxKL = None,
-    max_flip_rate: opt.MaxFlipRate = None,
-    overwrite: opt.Overwrite = False,
-    seed: opt.Seed = 0,
-) -> None:
-    from qpack.build import BuildConfig, run_build
+@BUILD.command
+def build(ctx: typer.Context, **values: Any) -> None:
+    from qpack.build import run_build
 
     out = output(ctx)
-    config = BuildConfig(
-        output=out_dir,
-        model=model,
-        queries=tuple(str(q) for q in queries),
-        calibration=calibration,
-        num_samples=num_samples,
-        preset=preset,
-        target_bits=target_bits,
-        overrides=tuple(override),
-        name=name,
-        version=version,
-        mmlu=mmlu,
-        subjects=subjects,
-        limit=None if limit == 0 else limit,
-        shots=shots,
-        formats=formats(fmt),
-        gate=Gate(max_drift=max_drift, max_kl=max_kl, max_flip_rate=max_flip_rate),
-        overwrite=overwrite,
-        seed=seed,
+    config = run(out, lambda: BUILD.config(values))
+    built = run(out, lambda: BUILD.translated(lambda: run_build(config, out.progress())))
+    summary = built.to_json()
+    out.result(
+        summary, build_table(summary, built.quantized.manifest), *eval_tables(built.evaluated.evaluation)
     )
-    built = run(
-        out, lambda: named_by_flags("build options", lambda: run_build(config, out.progress()), BuildConfig)
-    )
-    manifest = built.quantized.manifest
-    out.result(built.summary, build_table(built.summary, manifest), *eval_tables(built.evaluated.evaluation))
-    gate_exit(out, built.evaluated.passed, built.evaluated.reasons)
+    gate_exit(out, built.passed, built.evaluated.reasons)

@@ -45,9 +45,10 @@ class ConfigError(QpackError):
         super().__init__(f"invalid {config}: " + "; ".join(f"{p.field} {p.message}" for p in self.problems))
 
     def renamed(self, what: str, name: Callable[[str], str]) -> QpackError:
-        """The same problems as another interface names the fields (the CLI: `--target-bits`)."""
+        """The same problems as another interface names the fields (the CLI: `--target-bits`), including fields a
+        message mentions in backticks ("shorter than `min_tokens` 4")."""
         return QpackError(
-            f"invalid {what}: " + "; ".join(f"{name(p.field)} {p.message}" for p in self.problems)
+            f"invalid {what}: " + "; ".join(f"{name(p.field)} {mentions(p.message, name)}" for p in self.problems)
         )
 
 

@@ -69,7 +69,7 @@ def test_calibrate_json_and_errors(tmp_path: Path, tiny_llama: Path) -> None:
     assert bad.exit_code == 2
     assert (
         "invalid calibration options: --turns must be one of first, all (got 'some'); --num-samples must be at "
-        "least 1 (got 0); --max-tokens (2) must be at least min_tokens (4)" in " ".join(bad.stderr.split())
+        "least 1 (got 0); --max-tokens (2) must be at least --min-tokens (4)" in " ".join(bad.stderr.split())
     )
 
 
