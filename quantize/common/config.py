@@ -48,7 +48,8 @@ class ConfigError(QpackError):
         """The same problems as another interface names the fields (the CLI: `--target-bits`), including fields a
         message mentions in backticks ("shorter than `min_tokens` 4")."""
         return QpackError(
-            f"invalid {what}: " + "; ".join(f"{name(p.field)} {mentions(p.message, name)}" for p in self.problems)
+            f"invalid {what}: "
+            + "; ".join(f"{name(p.field)} {mentions(p.message, name)}" for p in self.problems)
         )
 
 
