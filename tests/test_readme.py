@@ -61,3 +61,29 @@ def test_each_librarys_lazy_exports_are_typed_and_resolve() -> None:
         assert not shadowed, f"{package} exports names of its own submodules: {shadowed}"
         for name in sorted(exported):
             assert getattr(module, name) is not None, f"{package}.{name}"
+
+
+INPUTS_LINE = 'MODEL, QUERIES, WORK = "smollm2-135m", (), Path("build")'
+
+
+def _python_example() -> str:
+    section = README.read_text().split("## Python API", 1)[1]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[0]
+
+
+def test_the_python_example_runs_as_written(
+    tiny_llama: Path, queries_file: Path, mmlu_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The README's calibrate -> quantize -> evaluate -> load -> serve example, run as it stands; only its inputs
+    line is swapped for a tiny model and its queries (SmolLM2 and ShareGPT would take minutes)."""
+    code = _python_example()
+    assert code.count(INPUTS_LINE) == 1, "the example's inputs line changed; update INPUTS_LINE"
+    inputs = f"MODEL, QUERIES, WORK = {str(tiny_llama)!r}, ({str(queries_file)!r},), Path({str(tmp_path)!r})"
+    monkeypatch.setenv("QPACK_MMLU_DIR", str(mmlu_dir))
+    scope: dict[str, object] = {}
+    exec(compile(code.replace(INPUTS_LINE, inputs), "README.md", "exec"), scope)
+    quantized, evaluated, artifact = scope["quantized"], scope["evaluated"], scope["artifact"]
+    assert quantized.quality.kl < 0.5 and evaluated.passed  # type: ignore[attr-defined]
+    assert artifact.plan.schemes["model.layers.0.self_attn.q_proj"] is None  # type: ignore[attr-defined]
+    assert artifact.plan.schemes["model.layers.1.mlp.down_proj"].label() == "int8"  # type: ignore[attr-defined]
+    assert scope["engine"].max_model_len > 0  # type: ignore[attr-defined]

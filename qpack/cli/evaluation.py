@@ -13,15 +13,20 @@ from qpack.cli.fields import Option, Options
 from qpack.cli.render import compare_table, eval_tables
 from qpack.compare import CompareConfig
 
+# What questions are scored, and against which reference: the same for one artifact and for several.
+MMLU_OPTIONS: list[Option | str] = [
+    Option("reference", ("--reference", "-r")),
+    "mmlu",
+    "subjects",
+    "limit",
+    "shots",
+]
+
 EVALUATE = Options(
     EvaluateConfig,
     [
         Option("artifact", argument=True),
-        Option("reference", ("--reference", "-r")),
-        "mmlu",
-        "subjects",
-        "limit",
-        "shots",
+        *MMLU_OPTIONS,
         Option("formats", ("--format",), str, "letter", formats, help="letter, cloze or both."),
         "calibration",
         "heldout_tokens",
@@ -44,11 +49,7 @@ COMPARE = Options(
     CompareConfig,
     [
         Option("artifacts", argument=True),
-        Option("reference", ("--reference", "-r")),
-        "mmlu",
-        "subjects",
-        "limit",
-        "shots",
+        *MMLU_OPTIONS,
         Option("fmt", ("--format",)),
         Option("speed", ("--speed/--no-speed",)),
         Option("cache", ("--cache/--no-cache",)),

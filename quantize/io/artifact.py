@@ -39,6 +39,7 @@ from torch import nn
 from quantize.common.errors import QpackError
 from quantize.common.fileio import atomic_output_dir, read_json, sha256_file, write_json
 from quantize.common.version import __version__
+from quantize.io.manifest import MANIFEST_FILE, ManifestFormat
 from quantize.io.tensorfile import read_safetensors
 from quantize.model.sources import tokenizer_class, tokenizer_files
 from quantize.model.surgery import QuantizedWeight, install
@@ -50,7 +51,6 @@ READABLE_VERSIONS = (1, 2)
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 10**9
-MANIFEST_FILE = "manifest.json"
 LOCK_FILE = ".manifest.lock"
 HEATMAP_FILE = "sensitivity.png"
 _SOURCE_FILES = ("config.json", "generation_config.json")
@@ -214,28 +214,13 @@ def weight_files(root: Path, manifest: dict[str, Any]) -> list[str]:
     return list(manifest.get("weights") or [WEIGHTS_FILE])
 
 
+ARTIFACT = ManifestFormat(
+    FORMAT, READABLE_VERSIONS, "artifact", "qpack quantize", "rebuild it with qpack quantize"
+)
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise QpackError(
-            f"artifact {root} does not exist or is not a directory; run `qpack quantize -o {root}`"
-        )
-    if not (root / MANIFEST_FILE).is_file():
-        raise QpackError(
-            f"{root} is not a qpack artifact (no {MANIFEST_FILE}); pass a directory written by qpack quantize"
-        )
-    manifest = read_json(root / MANIFEST_FILE, "artifact manifest")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise QpackError(
-            f"{root} is not a qpack artifact (no qpack manifest.json); pass an artifact directory"
-        )
-    version = manifest.get("format_version")
-    if version not in READABLE_VERSIONS:
-        raise QpackError(
-            f"artifact {root} has format_version {version}; this qpack ({__version__}) reads "
-            f"{', '.join(map(str, READABLE_VERSIONS))}; upgrade qpack or rebuild the artifact"
-        )
-    return manifest
+    return ARTIFACT.read(path)
 
 
 def verify_artifact(path: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -254,16 +239,7 @@ def verify_artifact(path: Path, manifest: dict[str, Any] | None = None) -> dict[
         raise QpackError(
             f"artifact {root} manifest has no hash for {', '.join(unlisted)}; the artifact is incomplete"
         )
-    bad = [
-        name
-        for name, digest in files.items()
-        if not (root / name).is_file() or sha256_file(root / name) != digest
-    ]
-    if bad:
-        raise QpackError(
-            f"artifact {root} failed verification: {', '.join(bad)} missing or modified since it was written "
-            "(sha256 mismatch); rebuild it with qpack quantize"
-        )
+    ARTIFACT.check_files(root, files)
     return manifest
 
 

@@ -23,16 +23,19 @@ from typing import Any
 import torch
 
 from quantize.common.errors import QpackError
-from quantize.common.fileio import read_json, sha256_file
+from quantize.common.fileio import sha256_file
+from quantize.io.manifest import MANIFEST_FILE, ManifestFormat
 
 FORMAT = "qpack.calibration"
 FORMAT_VERSION = 1
-MANIFEST_FILE = "manifest.json"
 TOKENS_FILE = "tokens.safetensors"
 STATS_FILE = "stats.safetensors"
 TEXTS_FILE = "texts.jsonl"
 SENSITIVITY_FILE = "sensitivity.json"
 SPLITS = ("train", "heldout")
+CALIBRATION = ManifestFormat(
+    FORMAT, (FORMAT_VERSION,), "calibration directory", "qpack calibrate", "re-run qpack calibrate"
+)
 
 
 @dataclass(frozen=True)
@@ -104,32 +107,9 @@ class CalibrationData:
         from safetensors.torch import load_file
 
         root = Path(path).expanduser()
-        if not root.is_dir():
-            raise QpackError(
-                f"calibration directory {root} does not exist; run `qpack calibrate -o {root}` first"
-            )
-        manifest = read_json(root / MANIFEST_FILE, "calibration manifest")
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise QpackError(
-                f"{root} is not a qpack calibration directory (bad manifest); re-run qpack calibrate"
-            )
-        version = manifest.get("format_version")
-        if version != FORMAT_VERSION:
-            raise QpackError(
-                f"calibration directory {root} has format_version {version}, this qpack reads {FORMAT_VERSION}; "
-                "re-run qpack calibrate"
-            )
+        manifest = CALIBRATION.read(root)
         if verify:
-            bad = [
-                name
-                for name, digest in manifest.get("files", {}).items()
-                if not (root / name).is_file() or sha256_file(root / name) != digest
-            ]
-            if bad:
-                raise QpackError(
-                    f"calibration directory {root} was modified after it was written ({', '.join(bad)} "
-                    "missing or changed); re-run qpack calibrate"
-                )
+            CALIBRATION.check_files(root, manifest.get("files", {}))
         try:
             tokens = load_file(str(root / TOKENS_FILE))
             stats = load_file(str(root / STATS_FILE))

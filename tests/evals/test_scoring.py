@@ -63,19 +63,15 @@ def smollm2_tokenizer():
 @pytest.fixture(scope="module")
 def tiny_on_smollm2_vocab(smollm2_tokenizer):
     """A 1-layer Llama over SmolLM2's real 49k-token vocabulary: real BPE merges at every prompt boundary."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.conftest import tiny_model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    return tiny_model(
         vocab_size=len(smollm2_tokenizer),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=4096,
     )
-    return LlamaForCausalLM(config).eval()
 
 
 def test_real_tokenizer_merges_differently_at_the_prefix_boundary(smollm2_tokenizer, mmlu_dir: Path) -> None:
