@@ -118,6 +118,7 @@ def _row(artifact: Path, evaluation: Evaluation, fmt: str, speed: dict[str, floa
         "answer_kl": report.answer_kl.mean,
         "heldout_kl": evaluation.heldout.kl if evaluation.heldout else None,
         "questions": report.questions,
+        "numerics": evaluation.numerics.to_json(),
     }
 
 
