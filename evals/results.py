@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from quantize.common.config import fields_json, json_value
-from quantize.quality import HeldoutQuality
+from quantize.config import HeldoutQuality
 
 
 class Record:

@@ -3,7 +3,9 @@
 Each stage is the same library call the individual commands make, so a build is reproducible command by
 command. The calibration directory is kept beside the artifact (`ARTIFACT.calibration`) because the artifact
 manifest points at it for held-out checks and the sensitivity cache lives there, so rebuilding with another
-budget skips the expensive part. The result is one JSON summary; the exit code is the gate's.
+budget skips the expensive part. The result is one JSON summary; the exit code is the gate's. The
+config and result types import no torch (the command line builds its options from them); the stages are imported
+when a build runs.
 """
 
 from __future__ import annotations
@@ -13,15 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from calibrate import CalibrationConfig, CalibrationResult, run_calibration
+from calibrate.config import CalibrationConfig, CalibrationResult
 from evals.config import EvaluateConfig
-from evals.pipeline import evaluate
 from evals.results import EvaluateResult
 from quantize.common.config import Problems, json_value
 from quantize.common.fileio import check_output_dir
 from quantize.common.progress import NULL_PROGRESS, Progress
 from quantize.config import QuantizeConfig, QuantizeResult
-from quantize.pipeline import quantize_model
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,10 @@ class BuildResult:
 
 
 def run_build(config: BuildConfig, progress: Progress = NULL_PROGRESS) -> BuildResult:
+    from calibrate.pipeline import run_calibration
+    from evals.pipeline import evaluate
+    from quantize.pipeline import quantize_model
+
     started = time.perf_counter()
     config.validate()
     output = Path(config.quantize.output).expanduser().resolve()

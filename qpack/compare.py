@@ -15,13 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from evals.config import EvaluateConfig
-from evals.pipeline import evaluate
 from evals.results import Evaluation
 from quantize.common.config import Problems
 from quantize.common.errors import QpackError
 from quantize.common.fileio import write_bytes, write_json
 from quantize.common.progress import NULL_PROGRESS, Progress
-from quantize.io.artifact import read_manifest
 
 
 @dataclass(frozen=True)
@@ -99,6 +97,8 @@ def measure_speed(artifact: Path, prompt_tokens: int, new_tokens: int, repeats: 
 
 
 def _row(artifact: Path, evaluation: Evaluation, fmt: str, speed: dict[str, float] | None) -> dict[str, Any]:
+    from quantize.io.artifact import read_manifest
+
     manifest = read_manifest(artifact)
     size = manifest.get("size", {})
     report = evaluation.formats[fmt]
@@ -123,6 +123,8 @@ def _row(artifact: Path, evaluation: Evaluation, fmt: str, speed: dict[str, floa
 
 
 def compare(config: CompareConfig, progress: Progress = NULL_PROGRESS) -> dict[str, Any]:
+    from evals.pipeline import evaluate
+
     config.validate()
     rows, reference_id = [], None
     for artifact in config.artifacts:

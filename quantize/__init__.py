@@ -22,14 +22,13 @@ if TYPE_CHECKING:
     from quantize.algorithms.settings import AWQ, GPTQ, RTN, Algorithm, Auto, SmoothQuant
     from quantize.common.config import ConfigError
     from quantize.common.errors import QpackError
-    from quantize.config import QuantizeConfig, QuantizeResult
+    from quantize.config import HeldoutQuality, QuantizeConfig, QuantizeResult
     from quantize.formats.schemes import BF16, FP16, W8A8, BnbInt8, BnbNF4, Int4, Int8, Scheme, parse_scheme
     from quantize.io.artifact import LoadedArtifact, load_artifact, read_manifest, verify_artifact
     from quantize.io.exports import CompressedTensors
     from quantize.model.sources import load_model, load_tokenizer, resolve_model
     from quantize.pipeline import quantize_model
     from quantize.planning.presets import PRESETS, Preset
-    from quantize.quality import HeldoutQuality
     from quantize.sensitivity.settings import SensitivityConfig
 
 _EXPORTS = {
@@ -42,7 +41,7 @@ _EXPORTS = {
     "Preset": "quantize.planning.presets",
     "SensitivityConfig": "quantize.sensitivity.settings",
     "CompressedTensors": "quantize.io.exports",
-    "HeldoutQuality": "quantize.quality",
+    "HeldoutQuality": "quantize.config",
     **dict.fromkeys(
         ("Scheme", "Int8", "Int4", "BF16", "FP16", "W8A8", "BnbInt8", "BnbNF4", "parse_scheme"),
         "quantize.formats.schemes",

@@ -13,18 +13,15 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from quantize.algorithms import Algorithm, Auto
-from quantize.common.config import Problems, json_value
+from quantize.common.config import Problems, fields_json, json_value
 from quantize.formats.schemes import FP32, Int4, Scheme
 from quantize.io.exports import CompressedTensors
 from quantize.planning.plan import Plan, PlanRules
 from quantize.planning.presets import PRESETS, Preset
 from quantize.sensitivity.settings import SensitivityConfig
-
-if TYPE_CHECKING:
-    from quantize.quality import HeldoutQuality
 
 
 @dataclass(frozen=True)
@@ -131,6 +128,21 @@ class QuantizeConfig:
     def resolved_target_bits(self) -> float | None:
         """The size budget asked for: `target_bits`, else the preset's (None: uniform or by `max_kl`)."""
         return self.target_bits if self.target_bits is not None else self.preset.target_bits
+
+
+@dataclass(frozen=True)
+class HeldoutQuality:
+    """A model against its reference on held-out tokens."""
+
+    tokens: int
+    kl: float  # mean next-token KL(reference || model), nats
+    kl_p95: float
+    top1_agreement: float  # share of positions where both predict the same next token
+    ppl_reference: float
+    ppl: float
+
+    def to_json(self) -> dict[str, Any]:
+        return fields_json(self)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from torch import nn
 from quantize.common.errors import QpackError
 from quantize.common.fileio import check_output_dir
 from quantize.common.progress import NULL_PROGRESS, Progress
-from quantize.config import QuantizeConfig, QuantizeResult
+from quantize.config import HeldoutQuality, QuantizeConfig, QuantizeResult
 from quantize.io.artifact import (
     DEFAULT_SHARD_BYTES,
     ArtifactWriter,
@@ -34,7 +34,7 @@ from quantize.model.sources import ModelSource, load_model, resolve_model, weigh
 from quantize.model.surgery import kept_module_names
 from quantize.planning.build import build_plan
 from quantize.planning.plan import Plan
-from quantize.quality import HeldoutQuality, compare_hidden, eval_packs
+from quantize.quality import compare_hidden, eval_packs
 from quantize.runtime.kernels import ops as kernels
 from quantize.sensitivity.table import SensitivityTable
 from quantize.sequential.apply import apply_plan

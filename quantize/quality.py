@@ -9,31 +9,14 @@ a 49k vocabulary), and logits of both sides are formed a chunk of positions at a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from quantize.common.config import fields_json
+from quantize.config import HeldoutQuality
 from quantize.io.calibration import CalibrationData
 from quantize.sequential.packing import Pack, make_packs, next_token_targets, sample_sequences
 from quantize.sequential.runner import BlockRunner
-
-
-@dataclass(frozen=True)
-class HeldoutQuality:
-    """A model against its reference on held-out tokens."""
-
-    tokens: int
-    kl: float  # mean next-token KL(reference || model), nats
-    kl_p95: float
-    top1_agreement: float  # share of positions where both predict the same next token
-    ppl_reference: float
-    ppl: float
-
-    def to_json(self) -> dict[str, Any]:
-        return fields_json(self)
 
 
 def eval_packs(calibration: CalibrationData, tokens: int, seed: int) -> list[Pack]:

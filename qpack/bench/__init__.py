@@ -1,6 +1,6 @@
 """Benchmarks users choose configurations from: decode speed, serving load, memory; baselines in the same run.
 
-`bench_decode` and `bench_serve` run one benchmark and write its results folder (the exact command, machine
+`bench_decode` and `bench_serve` (`run`) run one benchmark and write its results folder (the exact command, machine
 info, JSON, a Markdown table, PNGs); the modules beside them hold the machinery: worker processes for decode
 (`decode`), the ShareGPT replay and server processes (`serving`), the load generator (`loadgen`), the naive
 one-request-at-a-time baseline server (`naive`), reports (`report`) and machine facts (`sysinfo`).
@@ -8,42 +8,22 @@ one-request-at-a-time baseline server (`naive`), reports (`report`) and machine 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from qpack.bench.config import DecodeConfig, ServeBenchConfig
-from qpack.bench.decode import run_decode_bench
-from qpack.bench.report import (
-    decode_markdown,
-    decode_plots,
-    results_dir,
-    serve_markdown,
-    serve_plots,
-    write_results,
-)
-from qpack.bench.serving import run_serve_bench
+from quantize.common.lazy import lazy_exports
 
-
-def bench_decode(config: DecodeConfig, out_dir: Path | None = None) -> tuple[dict[str, Any], Path]:
-    """Decode and prefill speed of an artifact against FP32 `generate`; (result, results folder)."""
-    from quantize.io.artifact import read_manifest
-
-    read_manifest(config.artifact)  # a clear error before any worker starts
-    result = run_decode_bench(config)
-    folder = results_dir(out_dir, "decode")
-    write_results(folder, result, decode_markdown(result), decode_plots(result, folder))
-    return result, folder
-
-
-def bench_serve(
-    config: ServeBenchConfig, out_dir: Path | None = None, log: Callable[[str], None] = print
-) -> tuple[dict[str, Any], Path]:
-    """A ShareGPT replay against qpack serve and the naive baseline; (result, results folder)."""
-    result = run_serve_bench(config, log)
-    folder = results_dir(out_dir, "serve")
-    write_results(folder, result, serve_markdown(result), serve_plots(result, folder))
-    return result, folder
-
+if TYPE_CHECKING:
+    from qpack.bench.config import DecodeConfig, ServeBenchConfig
+    from qpack.bench.run import bench_decode, bench_serve
 
 __all__ = ["DecodeConfig", "ServeBenchConfig", "bench_decode", "bench_serve"]
+
+__getattr__ = lazy_exports(
+    "qpack.bench",
+    {
+        "DecodeConfig": "qpack.bench.config",
+        "ServeBenchConfig": "qpack.bench.config",
+        "bench_decode": "qpack.bench.run",
+        "bench_serve": "qpack.bench.run",
+    },
+)
