@@ -179,7 +179,8 @@ class Options:
                     del parsed[option.parameter]
                     continue
                 except (ValueError, QpackError) as error:
-                    problems.add(option.field or option.parameter, _strip(str(error)))
+                    field = option.field or option.parameter
+                    problems.add(field, _strip(str(error), self.flags_of(option)[0]))
                     del parsed[option.parameter]
                     continue
             parsed[option.parameter] = value
@@ -239,8 +240,9 @@ class Options:
         return nested.pop() if len(nested) == 1 else path
 
 
-def _strip(message: str) -> str:
-    return message.removeprefix("invalid ").strip()
+def _strip(message: str, flag: str) -> str:
+    """A parse error's message without what the rendering adds again: "invalid ", the flag's own name."""
+    return message.removeprefix("invalid ").strip().removeprefix(f"{flag}:").removeprefix(flag).strip()
 
 
 def _dataclass_of(annotation: Any) -> type:

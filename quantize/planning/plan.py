@@ -73,8 +73,8 @@ class PlanRules:
 
     @staticmethod
     def parse(items: Iterable[str]) -> dict[str, Scheme | None]:
-        """`PATTERN=SCHEME` strings (`--override re:.*down_proj=int8`) as the ordered map `of` takes,
-        reporting every bad item at once."""
+        """`PATTERN=SCHEME` strings (`--override re:.*down_proj=int8`) as the ordered map `of` takes; ValueError
+        naming every bad item at once."""
         rules: dict[str, Scheme | None] = {}
         problems: list[str] = []
         for item in items:
@@ -90,7 +90,7 @@ class PlanRules:
                 except QpackError as exc:
                     problems.append(f"{item!r}: {exc}")
         if problems:
-            raise QpackError("invalid --override: " + "; ".join(problems))
+            raise ValueError("; ".join(problems))
         return rules
 
     def lookup(self, fqn: str, use_default: bool = True) -> tuple[bool, Scheme | None, str]:

@@ -114,6 +114,8 @@ def test_quantize_reports_every_bad_option_at_once_by_its_flag(
         "--target-bits": "40",
         "--sensitivity": "guess",
         "--max-shard-size": "1KB",
+        "--max-memory": "lots",
+        "--override": "nonsense",
     }
     args = ["--json", "quantize", "-c", str(tiny_llama_calibration), "-o", str(tmp_path / "art")]
     result = runner.invoke(app, [*args, *(part for pair in bad.items() for part in pair)])
@@ -128,6 +130,8 @@ def test_quantize_reports_every_bad_option_at_once_by_its_flag(
         "--damp must be in (0, 1) (got 2.0)",
         "--sensitivity must be one of auto, kl, kl-all, fisher, mse (got 'guess')",
         "--max-shard-size must be at least 16 KiB (got 1000 bytes)",
+        "--max-memory 'lots' is not a size",
+        "--override 'nonsense' is not PATTERN=SCHEME",
     ):
         assert fragment in error, fragment
     assert not (tmp_path / "art").exists()

@@ -41,7 +41,7 @@ def test_precedence_exact_then_regex_in_order_then_default() -> None:
 
 
 def test_bad_rules_are_reported_together() -> None:
-    with pytest.raises(QpackError) as excinfo:
+    with pytest.raises(ValueError) as excinfo:
         PlanRules.parse(["nonsense", "re:([=int8", "x=int5"])
     message = str(excinfo.value)
     assert "'nonsense' is not PATTERN=SCHEME" in message
