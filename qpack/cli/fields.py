@@ -190,13 +190,16 @@ class Options:
         if self.build is not None:
             fields.update(self.build(parsed, problems))
         failed = {p.field for p in problems.found}
-        config = _construct(self.config_class, {**fields, **fixed})  # the failed fields at their defaults
-        validate = getattr(config, "validate", None)
         try:
+            config = _construct(self.config_class, {**fields, **fixed})  # the failed fields at their defaults
+            validate = getattr(config, "validate", None)
             if validate is not None:
                 validate()
         except ConfigError as error:
             problems.found += [p for p in error.problems if p.field not in failed]
+        except TypeError:
+            if not problems.found:  # a required field went missing without a reported reason: a bug here
+                raise
         if problems.found:
             raise ConfigError(self.config_class.__name__, problems.found).renamed(
                 f"{self.what} options", self.flag_for
