@@ -209,8 +209,8 @@ def _load_hub(wanted: list[str]) -> MMLUData:
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise QpackError(
-            f"no --mmlu directory and QPACK_MMLU_DIR is unset, and the Hub dataset cais/mmlu is unavailable "
-            f"({first}); pass --mmlu DIR (hendrycks or cais layout)"
+            f"no `mmlu` directory and QPACK_MMLU_DIR is unset, and the Hub dataset cais/mmlu is unavailable "
+            f"({first}); give `mmlu` (a hendrycks or cais layout directory)"
         ) from None
     digest = hashlib.sha256(str(dataset).encode())
     dev = by_subject(_items(dataset["dev"], wanted))
@@ -248,7 +248,7 @@ def stratified_limit(test: list[Item], limit: int | None, seed: int) -> list[Ite
     if limit is None:
         return test
     if limit < 1:
-        raise QpackError(f"--limit must be at least 1 (got {limit})")
+        raise QpackError(f"`limit` must be at least 1 (got {limit})")
     grouped = by_subject(test)
     chosen: list[Item] = []
     for subject in grouped:
@@ -269,7 +269,7 @@ def load_mmlu(
     else:
         root = Path(source).expanduser()
         if not root.is_dir():
-            raise QpackError(f"MMLU directory {root} does not exist; pass --mmlu DIR or set QPACK_MMLU_DIR")
+            raise QpackError(f"MMLU directory {root} does not exist; fix `mmlu` or set QPACK_MMLU_DIR")
         if (root / "dev").is_dir() and (root / "test").is_dir() and any((root / "test").glob("*_test.csv")):
             data = _load_hendrycks(root, wanted)
         elif any(root.rglob("*.parquet")) or any(root.rglob("*test*.csv")):

@@ -152,7 +152,7 @@ def calibration_dir(config: EvaluateConfig, manifest: dict[str, Any]) -> tuple[P
     if calibration is not None and (calibration / "manifest.json").is_file():
         return calibration, None
     if config.calibration is not None:
-        raise QpackError(f"calibration directory {config.calibration} does not exist; fix --calibration")
+        raise QpackError(f"calibration directory {config.calibration} does not exist; fix `calibration`")
     return None, f"calibration directory {calibration or '(none)'} not found; skipped"
 
 

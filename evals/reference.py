@@ -69,7 +69,7 @@ def describe_reference(
     if spec is None and source.get("weights_sha256") and sha != source["weights_sha256"]:
         raise QpackError(
             f"the artifact's source model {source.get('model_id')!r} now has different weights ({sha[:12]} vs "
-            f"{source['weights_sha256'][:12]}); pass --reference explicitly"
+            f"{source['weights_sha256'][:12]}); give `reference` explicitly"
         )
     info = ReferenceInfo(id=resolved.model_id, kind=resolved.kind, weights_sha256=sha, content_sha256=sha)
     return LazyReference(lambda: load_model(resolved), progress), info

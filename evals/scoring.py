@@ -294,7 +294,7 @@ def score(
 ) -> dict[str, torch.Tensor]:
     """{item key: 4 scores} (letter: log-probs of A-D; cloze: length-normalised log-likelihoods)."""
     if fmt not in FORMATS:
-        raise QpackError(f"--format must be one of {', '.join(FORMATS)} (got {fmt!r})")
+        raise QpackError(f"`formats` must be one of {', '.join(FORMATS)} (got {fmt!r})")
     scorer = Scorer(model, tokenizer, token_budget)
     scores: dict[str, torch.Tensor] = {}
     total = sum(len(v) for v in by_subject.values())

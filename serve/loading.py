@@ -47,7 +47,7 @@ def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -
         return LoadedModel(loaded.model, tokenizer, loaded.name, loaded.version, str(loaded.path), content)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
-        raise QpackError(f"--dtype must be one of {', '.join(dtypes)} (got {dtype!r})")
+        raise QpackError(f"`dtype` must be one of {', '.join(dtypes)} (got {dtype!r})")
     source = resolve_model(target)
     model = load_model(source, dtype=dtypes[dtype], device=device)
     name = source.model_id.rsplit("/", 1)[-1]

@@ -33,7 +33,7 @@ def _ct() -> Any:
         import compressed_tensors
     except ImportError:
         raise QpackError(
-            "--export compressed-tensors needs the compressed-tensors package; install `pip install qpack[export]`"
+            "the compressed-tensors `export` needs the compressed-tensors package; install `pip install qpack[export]`"
         ) from None
     return compressed_tensors
 

@@ -191,6 +191,6 @@ def check_memory(streamed: StreamedModel, activation_tokens: int, max_memory: in
         raise QpackError(
             f"this model needs about {needed / gib:.1f} GiB to be processed block by block (one decoder block is "
             f"{streamed.block_bytes(0) / gib:.2f} GiB in FP32, embeddings and head {streamed.resident_bytes() / gib:.2f}"
-            f" GiB) but the limit is {limit / gib:.1f} GiB; raise --max-memory or free memory"
+            f" GiB) but the limit is {limit / gib:.1f} GiB; raise `max_memory` or free memory"
         )
     return limit

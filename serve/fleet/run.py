@@ -34,7 +34,7 @@ def check_redis(url: str) -> None:
         client.ping()
     except (redis.RedisError, ValueError, OSError) as exc:
         raise QpackError(
-            f"Redis at {url} is unreachable ({exc}); start redis-server or fix --redis (e.g. redis://127.0.0.1:6379/0)"
+            f"Redis at {url} is unreachable ({exc}); start redis-server or fix `redis` (e.g. redis://127.0.0.1:6379/0)"
         ) from None
 
 

@@ -85,5 +85,5 @@ def test_broken_inputs_are_one_line_errors(tmp_path: Path, mmlu_dir: Path) -> No
     (tmp_path / "empty").mkdir()
     with pytest.raises(QpackError, match="neither the hendrycks layout"):
         load_mmlu(tmp_path / "empty")
-    with pytest.raises(QpackError, match="--limit must be at least 1"):
+    with pytest.raises(QpackError, match="`limit` must be at least 1"):
         stratified_limit([], 0, 0)

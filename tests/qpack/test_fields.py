@@ -102,6 +102,18 @@ def test_every_problem_is_reported_once_under_its_flag(tmp_path: Path) -> None:
         Outer(tmp_path, count=0).validate()
 
 
+def test_a_library_error_names_the_fields_as_flags_and_keeps_its_exit_code() -> None:
+    def fail() -> None:
+        error = QpackError("raise `count` or `inner.depth`; `unknown` stays")
+        error.exit_code = 3
+        raise error
+
+    with pytest.raises(QpackError) as raised:
+        OPTIONS.translated(fail)
+    assert raised.value.message == "raise --count or --depth; `unknown` stays"
+    assert raised.value.exit_code == 3
+
+
 def test_an_option_for_a_field_that_does_not_exist_fails_when_the_command_is_defined() -> None:
     with pytest.raises(TypeError, match="Outer has no field 'colour'"):
         Options(Outer, ["colour"], "toy").command(toy)

@@ -119,6 +119,6 @@ def test_a_memory_limit_below_one_block_is_refused_with_what_would_fit(sharded_b
     assert needed > streamed.resident_bytes() + 2 * streamed.block_bytes(0)
     assert check_memory(streamed, 1000, needed + 1) == needed + 1
     with pytest.raises(
-        QpackError, match=r"needs about .* GiB to be processed block by block .* raise --max-memory"
+        QpackError, match=r"needs about .* GiB to be processed block by block .* raise `max_memory`"
     ):
         check_memory(streamed, 1000, needed - 1)
