@@ -14,7 +14,7 @@ from typing import Any
 from calibrate.clean import TURNS
 from calibrate.coverage import CoverageThresholds
 from calibrate.sources import FORMATS
-from quantize.common.config import Problems, one_of
+from quantize.common.config import Problems
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,9 @@ class CalibrationConfig:
     def validate(self) -> None:
         """Every problem at once (ConfigError), each named by its field."""
         problems = Problems()
-        problems.check(self.turns in TURNS, "turns", one_of(self.turns, TURNS))
-        problems.check(self.format is None or self.format in FORMATS, "format", one_of(self.format, FORMATS))
+        problems.check_choice(self.turns, "turns", TURNS)
+        if self.format is not None:
+            problems.check_choice(self.format, "format", FORMATS)
         problems.check(self.num_samples >= 1, "num_samples", f"must be at least 1 (got {self.num_samples})")
         problems.check(
             0.0 <= self.heldout_fraction < 1.0,

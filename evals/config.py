@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantize.common.config import Problems, one_of
+from quantize.common.config import Problems
 from quantize.runtime.precision import DEFAULT_PREFILL_DTYPE, PREFILL_DTYPE_NAMES
 
 FORMATS = ("letter", "cloze")
@@ -96,7 +96,7 @@ class EvaluateConfig:
         problems.check(0 <= self.shots <= 5, "shots", f"must be 0..5 (got {self.shots})")
         problems.check(bool(self.formats), "formats", "must name at least one of " + ", ".join(FORMATS))
         for fmt in self.formats:
-            problems.check(fmt in FORMATS, "formats", one_of(fmt, FORMATS))
+            problems.check_choice(fmt, "formats", FORMATS)
         problems.check(
             self.limit is None or self.limit >= 1, "limit", f"must be at least 1 (got {self.limit})"
         )
@@ -115,9 +115,5 @@ class EvaluateConfig:
         problems.check(
             self.token_budget >= 256, "token_budget", f"must be at least 256 (got {self.token_budget})"
         )
-        problems.check(
-            self.prefill_dtype in PREFILL_DTYPE_NAMES,
-            "prefill_dtype",
-            one_of(self.prefill_dtype, PREFILL_DTYPE_NAMES),
-        )
+        problems.check_choice(self.prefill_dtype, "prefill_dtype", PREFILL_DTYPE_NAMES)
         problems.raise_if_any(self)

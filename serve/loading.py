@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantize.common.config import one_of
 from quantize.common.errors import QpackError
 from quantize.common.sizes import parse_size
 from serve.engine import Engine, EngineConfig
 from serve.kv_cache import KV_DTYPES
-from serve.options import ServeOptions
+from serve.options import MODEL_DTYPES, ServeOptions
 
 
 @dataclass
@@ -45,11 +46,10 @@ def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -
         tokenizer = load_tokenizer(path, loaded.manifest.get("tokenizer_class"))
         content = content_sha256(loaded.manifest)
         return LoadedModel(loaded.model, tokenizer, loaded.name, loaded.version, str(loaded.path), content)
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in dtypes:
-        raise QpackError(f"`dtype` must be one of {', '.join(dtypes)} (got {dtype!r})")
+    if dtype not in MODEL_DTYPES:
+        raise QpackError(f"`dtype` {one_of(dtype, MODEL_DTYPES)}")
     source = resolve_model(target)
-    model = load_model(source, dtype=dtypes[dtype], device=device)
+    model = load_model(source, dtype=getattr(torch, dtype), device=device)
     name = source.model_id.rsplit("/", 1)[-1]
     return LoadedModel(
         model, load_tokenizer(source), name, dtype, source.model_id, weights_sha256(source) + dtype

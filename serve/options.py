@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quantize.common.config import Problems, one_of
+from quantize.common.config import Problems
 from quantize.common.errors import QpackError
 from quantize.common.sizes import parse_size
 from quantize.runtime.precision import DEFAULT_PREFILL_DTYPE, PREFILL_DTYPE_NAMES
@@ -150,7 +150,7 @@ class ServeOptions:
             "api_keys",
             "must not be empty or padded",
         )
-        problems.check(self.dtype in MODEL_DTYPES, "dtype", one_of(self.dtype, MODEL_DTYPES))
+        problems.check_choice(self.dtype, "dtype", MODEL_DTYPES)
         problems.check(
             self.threads is None or self.threads >= 1, "threads", f"must be at least 1 (got {self.threads})"
         )
@@ -161,13 +161,9 @@ class ServeOptions:
             value = getattr(self, field)
             problems.check(value >= 1, field, f"must be at least 1 (got {value})")
         problems.check(self.max_queue >= 0, "max_queue", f"must be >= 0 (got {self.max_queue})")
-        problems.check(self.kv_dtype in KV_DTYPE_NAMES, "kv_dtype", one_of(self.kv_dtype, KV_DTYPE_NAMES))
-        problems.check(self.kv_codec in CODECS, "kv_codec", one_of(self.kv_codec, CODECS))
-        problems.check(
-            self.prefill_dtype in PREFILL_DTYPE_NAMES,
-            "prefill_dtype",
-            one_of(self.prefill_dtype, PREFILL_DTYPE_NAMES),
-        )
+        problems.check_choice(self.kv_dtype, "kv_dtype", KV_DTYPE_NAMES)
+        problems.check_choice(self.kv_codec, "kv_codec", CODECS)
+        problems.check_choice(self.prefill_dtype, "prefill_dtype", PREFILL_DTYPE_NAMES)
         problems.check(
             self.session_ttl is None or self.session_ttl > 0,
             "session_ttl",
@@ -178,7 +174,7 @@ class ServeOptions:
             problems.check(_is_size(value), field, f"{value!r} is not a size (e.g. 2GB)")
 
     def _check_fleet(self, problems: Problems) -> None:
-        problems.check(self.role in ROLES, "role", one_of(self.role, ROLES))
+        problems.check_choice(self.role, "role", ROLES)
         problems.check(
             self.role == "single" or bool(self.redis), "role", f"{self.role} needs `redis` (a URL)"
         )

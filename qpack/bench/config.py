@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantize.common.config import Problems, one_of
+from quantize.common.config import Problems
 from quantize.runtime.precision import DEFAULT_PREFILL_DTYPE, PREFILL_DTYPE_NAMES
 
 LOOPBACK_URLS = ("http://127.", "http://localhost", "http://[::1]")
@@ -41,11 +41,7 @@ class DecodeConfig:
         problems.check(self.prompt_tokens >= 1, "prompt_tokens", f"must be >= 1 (got {self.prompt_tokens})")
         problems.check(self.new_tokens >= 2, "new_tokens", f"must be >= 2 (got {self.new_tokens})")
         problems.check(self.repeats >= 1, "repeats", f"must be >= 1 (got {self.repeats})")
-        problems.check(
-            self.prefill_dtype in PREFILL_DTYPE_NAMES,
-            "prefill_dtype",
-            one_of(self.prefill_dtype, PREFILL_DTYPE_NAMES),
-        )
+        problems.check_choice(self.prefill_dtype, "prefill_dtype", PREFILL_DTYPE_NAMES)
         problems.raise_if_any(self)
 
 
@@ -88,9 +84,7 @@ class ServeBenchConfig:
 
     def validate(self) -> None:
         problems = Problems()
-        problems.check(
-            self.baseline in ("naive", "none"), "baseline", one_of(self.baseline, ("naive", "none"))
-        )
+        problems.check_choice(self.baseline, "baseline", ("naive", "none"))
         problems.check(
             self.artifact is not None or self.url is not None,
             "artifact",
@@ -106,9 +100,5 @@ class ServeBenchConfig:
             "abort_fraction",
             f"must be in [0, 1] (got {self.abort_fraction})",
         )
-        problems.check(
-            self.prefill_dtype in PREFILL_DTYPE_NAMES,
-            "prefill_dtype",
-            one_of(self.prefill_dtype, PREFILL_DTYPE_NAMES),
-        )
+        problems.check_choice(self.prefill_dtype, "prefill_dtype", PREFILL_DTYPE_NAMES)
         problems.raise_if_any(self)

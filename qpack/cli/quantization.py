@@ -14,7 +14,7 @@ from qpack.cli.app import app, memory_limit, output, run, sizes
 from qpack.cli.fields import Option, Options, choice
 from qpack.cli.render import artifact_table, inspect_table, plan_summary, plan_table
 from quantize.algorithms import AWQ, GPTQ, RTN, Algorithm, Auto, SmoothQuant
-from quantize.common.config import Problems, one_of
+from quantize.common.config import Problems
 from quantize.common.errors import QpackError
 from quantize.config import QuantizeConfig
 from quantize.formats.schemes import Int4, Scheme, parse_scheme
@@ -52,14 +52,14 @@ def _algorithm(values: dict[str, Any], problems: Problems) -> Algorithm | None:
         "smoothquant": smoothquant,
     }
     name = values["algorithm"]
-    problems.check(name in choices, "algorithm", one_of(name, choices))
+    problems.check_choice(name, "algorithm", choices)
     return choices.get(name)
 
 
 def _build(values: dict[str, Any], problems: Problems) -> dict[str, Any]:
     """The fields several options make: candidates with --group-size, the algorithm with its settings."""
     group_size = values["group_size"]
-    problems.check(group_size in Int4.GROUP_SIZES, "group_size", one_of(group_size, Int4.GROUP_SIZES))
+    problems.check_choice(group_size, "group_size", Int4.GROUP_SIZES)
     fields: dict[str, Any] = {"schemes": _schemes(values["scheme"], group_size, problems)}
     preset = values.get("preset")
     if preset is not None:

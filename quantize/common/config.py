@@ -17,7 +17,7 @@ import inspect
 import itertools
 import re
 import textwrap
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +75,10 @@ class Problems:
 
     def add(self, field: str, message: str) -> None:
         self.found.append(Problem(field, message))
+
+    def check_choice(self, value: object, field: str, choices: Collection[object]) -> None:
+        """`value` must be one of `choices` (the message lists them)."""
+        self.check(value in choices, field, one_of(value, choices))
 
     def nested(self, prefix: str, validate: Callable[[], None]) -> None:
         """The problems a nested config's `validate` raises, under `prefix.` (its field in this config)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from quantize.common.config import Problems, one_of
+from quantize.common.config import Problems
 
 Method = Literal["auto", "kl", "kl-all", "fisher", "mse"]
 METHODS: tuple[Method, ...] = ("auto", "kl", "kl-all", "fisher", "mse")
@@ -32,7 +32,7 @@ class SensitivityConfig:
     """Layers measured exactly to calibrate the Fisher estimate's scale."""
 
     def check(self, problems: Problems, prefix: str = "") -> None:
-        problems.check(self.method in METHODS, f"{prefix}method", one_of(self.method, METHODS))
+        problems.check_choice(self.method, f"{prefix}method", METHODS)
         problems.check(
             self.num_tokens >= 16, f"{prefix}num_tokens", f"must be at least 16 (got {self.num_tokens})"
         )
