@@ -37,6 +37,13 @@ def chain_root(salt: bytes = b"") -> PrefixKey:
 
 
 ROOT = chain_root()
+_REJOIN = b"qpack-prefix-rejoin-v1\0"
+
+
+def rejoin(parent: PrefixKey, salt: bytes) -> PrefixKey:
+    """The parent of the first block after a prefix shared across tenants: the shared chain's last key mixed
+    with the tenant's own salt, so that everything after the shared text is the tenant's alone again."""
+    return hashlib.sha256(_REJOIN + parent + struct.pack("<I", len(salt)) + salt).digest()
 
 
 def prefix_keys(tokens: Sequence[int], block_size: int, parent: PrefixKey = ROOT) -> list[PrefixKey]:

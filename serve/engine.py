@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from quantize.runtime.modules import numerics, set_prefill_dtype
 from serve.block_pool import BlockPool
 from serve.kv_cache import KVLayout, parse_memory
 from serve.metrics import Metrics
-from serve.request import Request, SamplingParams
+from serve.request import Owner, Request, SamplingParams, SharedChain
 from serve.runner import ModelRunner
 from serve.sampler import sample
 from serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -244,15 +245,18 @@ class Engine:
         priority: int = 0,
         timeout: float | None = None,
         cache_salt: bytes = b"",
-        user: str | None = None,
-        session_id: str | None = None,
+        owner: Owner = Owner(),
+        shared: tuple[str, int] | None = None,
         resume_ids: list[int] | None = None,
         resume_chars: int = 0,
     ) -> None:
-        """Queue a request. `resume_ids`/`resume_chars`: continue an answer another engine started (a fleet
-        worker taking over from a dead one): those output tokens join the context, count as completion tokens,
-        and the text of the first `resume_chars` characters is not sent again; `params.max_tokens` is what is
-        left to generate."""
+        """Queue a request. `owner`: its tenant and tier (from its API key) and the user and session it names
+        inside that tenant; prefix-cache blocks are shared only within the tenant (and the `cache_salt`, and the
+        user with `isolate_users`), except the leading tokens `shared` names, (a shared prefix's name, its token
+        count), which tenants the tenants file lists together share. `resume_ids`/`resume_chars`: continue an
+        answer another engine started (a fleet worker taking over from a dead one): those output tokens join the
+        context, count as completion tokens, and the text of the first `resume_chars` characters is not sent
+        again; `params.max_tokens` is what is left to generate."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         resumed = list(resume_ids or [])
@@ -262,14 +266,18 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
                 f"{self.max_model_len} tokens"
             )
-        salt = (
-            self.namespace
-            + cache_salt
-            + (b"|user=" + user.encode() if self.config.isolate_users and user else b"")
-        )
-        session = (user or "", session_id or "") if user or session_id else None
         request = Request(
-            request_id, list(prompt_ids), params, priority=priority, cache_salt=salt, session=session
+            request_id,
+            list(prompt_ids),
+            params,
+            priority=priority,
+            cache_salt=self.prefix_salt(owner, cache_salt),
+            owner=owner,
+            shared=(
+                SharedChain(self._salt(b"shared", shared[0].encode()), shared[1])
+                if shared is not None and not cache_salt
+                else None
+            ),
         )
         request.sample_offset = len(resumed)
         if timeout is not None:
@@ -289,7 +297,19 @@ class Engine:
             self.streams[request_id] = stream
             self._callbacks[request_id] = callback
             self.metrics.prompt_tokens.inc(len(prompt_ids))
+            self.metrics.tenant_tokens.labels(owner.tenant, owner.tier, "prompt").inc(len(prompt_ids))
             self._wake.notify()
+
+    def prefix_salt(self, owner: Owner, cache_salt: bytes = b"") -> bytes:
+        """The salt of a request's own prefix chain: its tenant, its `cache_salt`, and its user when
+        `isolate_users` is on. Requests share cached blocks only under one salt."""
+        user = (owner.user or "").encode() if self.config.isolate_users else b""
+        return self._salt(b"tenant", owner.tenant.encode(), cache_salt, user)
+
+    def _salt(self, *parts: bytes) -> bytes:
+        """The root of a prefix chain: this engine's namespace and `parts`, each length-prefixed (no two lists
+        of parts make the same salt)."""
+        return self.namespace + b"".join(struct.pack("<I", len(part)) + part for part in parts)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Finish a request now and free its blocks; False if it was not running."""
@@ -312,8 +332,13 @@ class Engine:
         """End a request early (abort, timeout, error): drop its stream, free its blocks, count it."""
         self.streams.pop(stream.request.request_id, None)
         self.scheduler.finish(stream.request, reason)
-        self.metrics.requests.labels(finish_reason=reason).inc()
+        self._count_finished(stream.request, reason)
         return self._output(stream, "", [], True)
+
+    def _count_finished(self, request: Request, reason: str) -> None:
+        owner = request.owner
+        self.metrics.requests.labels(finish_reason=reason).inc()
+        self.metrics.tenant_tokens.labels(owner.tenant, owner.tier, "completion").inc(len(request.output_ids))
 
     def _expire(self) -> list[RequestOutput]:
         now = time.monotonic()
@@ -388,7 +413,7 @@ class Engine:
         if finished:
             self.scheduler.finish(request, reason)  # type: ignore[arg-type]
             self.streams.pop(request.request_id, None)
-            self.metrics.requests.labels(finish_reason=reason).inc()
+            self._count_finished(request, reason)  # type: ignore[arg-type]
             self.metrics.e2e.observe(now - request.arrival_time)
             if len(request.output_ids) > 1 and request.first_token_time is not None:
                 self.metrics.tpot.observe((now - request.first_token_time) / (len(request.output_ids) - 1))
@@ -404,6 +429,7 @@ class Engine:
             scheduled: SchedulerOutput = self.scheduler.schedule()
             if scheduled.preempted:
                 self.metrics.preemptions.inc(len(scheduled.preempted))
+            self._count_admitted(scheduled)
             self._update_gauges()
             batch = self.runner.prepare(scheduled.scheduled) if scheduled.scheduled else None
         self._deliver(outputs)
@@ -434,6 +460,16 @@ class Engine:
             self.metrics.steps.inc()
         self._deliver(outputs)
         return True
+
+    def _count_admitted(self, scheduled: SchedulerOutput) -> None:
+        """Queue time, per tenant and tier, of the requests that got their first seat this step."""
+        now = time.monotonic()
+        for item in scheduled.scheduled:
+            request = item.request
+            if request.admitted_time is None:
+                request.admitted_time = now
+                owner = request.owner
+                self.metrics.tenant_queue.labels(owner.tenant, owner.tier).observe(now - request.arrival_time)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -481,12 +517,15 @@ class Engine:
             self._update_gauges()
         self._deliver(outputs)
 
-    def forget_sessions(self, user: str | None = None, session_id: str | None = None) -> int:
-        """Delete a session's (or user's) stored KV from every tier; the number of blocks removed."""
+    def forget_sessions(
+        self, tenant: str, user: str | None = None, session_id: str | None = None
+    ) -> int | None:
+        """Delete a tenant's session's (or user's) stored KV from every tier; the number of blocks removed, None
+        when the tenant has no such session (what another tenant's session looks like too)."""
         if self.tiers is None:
-            return 0
+            return None
         with self._lock:
-            return self.tiers.forget(user, session_id)
+            return self.tiers.forget(tenant, user, session_id)
 
     def close(self) -> None:
         """Write out what the tiers still have queued (a draining server calls this last)."""

@@ -14,6 +14,7 @@ from serve.http import serve_forever
 from serve.loading import start_engine
 from serve.openai.routes import ServerInfo
 from serve.options import LOOPBACK, ServeOptions
+from serve.tenancy.tenants import TenantsSource
 
 
 def run_server(
@@ -21,31 +22,41 @@ def run_server(
 ) -> None:
     """Validate, then run the role. Progress goes to `log`, risks to `warn`; keys never."""
     options.validate()
-    keys = options.keys()
-    if options.host not in LOOPBACK and not keys:
-        warn(f"binding {options.host} without `api_keys`: anyone who can reach this port can use the model")
-    if keys:
-        log(f"API keys required: {len(keys)} accepted")
-    info = ServerInfo("fleet", "", keys, options.request_timeout, options.max_request_bytes)
+    tenants = None if options.role == "worker" else TenantsSource(options.tenants_file, options.keys())
+    if tenants is not None:
+        if options.host not in LOOPBACK and tenants.current.open:
+            warn(
+                f"binding {options.host} without `api_keys` or `tenants_file`: anyone who can reach this port "
+                "can use the model"
+            )
+        if not tenants.current.open:
+            names = ", ".join(f"{t.name} ({t.tier.name})" for t in tenants.current.tenants)
+            log(f"API keys required: tenants {names}")
+    if options.role == "worker":
+        run_worker(options, log)
+        return
+    assert tenants is not None
+    info = ServerInfo("fleet", "", tenants, options.request_timeout, options.max_request_bytes)
     if options.role == "gateway":
         run_gateway(options, info, log)
     elif options.role == "all":
         run_all(options, info, log)
-    elif options.role == "worker":
-        run_worker(options, log)
     else:
-        _run_single(options, keys, log)
+        _run_single(options, tenants, log)
 
 
-def _run_single(options: ServeOptions, keys: tuple[str, ...], log: Callable[[str], None]) -> None:
+def _run_single(options: ServeOptions, tenants: TenantsSource, log: Callable[[str], None]) -> None:
     loaded, engine = start_engine(options, log)
     log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1; /health, /metrics)")
     info = ServerInfo(
         loaded.name,
         loaded.version,
-        keys,
+        tenants,
         options.request_timeout,
         options.max_request_bytes,
         engine.numerics(),
+    )
+    tenants.reload_on_sighup(
+        log, lambda ok: engine.metrics.tenants_reloads.labels("ok" if ok else "failed").inc()
     )
     serve_forever(engine, info, options.host, options.port)

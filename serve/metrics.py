@@ -50,6 +50,31 @@ class Metrics:
             "qpack_preemptions", "Sequences preempted for lack of KV blocks", registry=r
         )
         self.steps = Counter("qpack_engine_steps", "Engine steps", registry=r)
+        self.tenant_tokens = Counter(
+            "qpack_tenant_tokens", "Tokens per tenant and tier", ["tenant", "tier", "kind"], registry=r
+        )
+        self.tenant_queue = Histogram(
+            "qpack_tenant_queue_seconds",
+            "Time from arrival to a seat in the batch, per tenant and tier",
+            ["tenant", "tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "qpack_tenant_requests",
+            "Requests answered, per tenant, tier and HTTP status",
+            ["tenant", "tier", "status"],
+            registry=r,
+        )
+        self.tenant_rate_limited = Counter(
+            "qpack_tenant_rate_limited",
+            "Requests refused by a tenant's limit (429), per limit: requests, tokens, concurrency",
+            ["tenant", "tier", "limit"],
+            registry=r,
+        )
+        self.tenants_reloads = Counter(
+            "qpack_tenants_reloads", "Tenants file reloads (SIGHUP) by outcome", ["outcome"], registry=r
+        )
         self.tier_hits = Counter("qpack_kv_tier_hits", "Blocks found in a tier", ["tier"], registry=r)
         self.tier_misses = Counter("qpack_kv_tier_misses", "Tier lookups that found nothing", registry=r)
         self.tier_written = Counter(

@@ -66,6 +66,9 @@ class ServeOptions:
     """Require 'Authorization: Bearer KEY' (any listed key is accepted)."""
     api_key_file: Path | None = None
     """File of accepted API keys, one per line (# comments)."""
+    tenants_file: Path | None = None
+    """Tenants (TOML, or JSON): each one's API keys, service tier and limits (requests/tokens per minute, requests
+    in flight, max_tokens); reloaded on SIGHUP. `api_keys` join it as the tenant `default`."""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Largest request body; bigger ones get 413 before parsing."""
     dtype: str = "float32"
@@ -107,7 +110,8 @@ class ServeOptions:
 
     def to_json(self) -> str:
         fields = dataclasses.asdict(self)
-        fields["api_key_file"] = None if self.api_key_file is None else str(self.api_key_file)
+        for name in ("api_key_file", "tenants_file"):
+            fields[name] = None if getattr(self, name) is None else str(getattr(self, name))
         return json.dumps(fields)
 
     @classmethod
@@ -127,8 +131,9 @@ class ServeOptions:
             raise QpackError("invalid serve options: " + "; ".join(problems))
         if fields.get("api_keys") is not None:
             fields["api_keys"] = tuple(fields["api_keys"])
-        if fields.get("api_key_file") is not None:
-            fields["api_key_file"] = Path(fields["api_key_file"])
+        for name in ("api_key_file", "tenants_file"):
+            if fields.get(name) is not None:
+                fields[name] = Path(fields[name])
         return cls(**fields)
 
     def validate(self) -> None:

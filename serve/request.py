@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serve.block_pool import PrefixKey, chain_root, prefix_keys
+from serve.block_pool import PrefixKey, chain_root, prefix_keys, rejoin
+
+SessionName = tuple[
+    str, str, str
+]  # (tenant, user, session id): a stored conversation, always inside a tenant
 
 
 class Status(enum.Enum):
@@ -36,6 +40,36 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class Owner:
+    """Whose a request is: the tenant its API key belongs to and the tier it runs at (resolved by the server,
+    never read from the body), and the `user` and `session_id` names the client gave, which mean something only
+    inside that tenant."""
+
+    tenant: str = "default"
+    tier: str = "standard"
+    tier_rank: int = 1  # 0 is the highest tier: admitted first, preempted last
+    user: str | None = None
+    session_id: str | None = None
+    session_ttl: float | None = None  # the tenant's, when it sets one
+
+    @property
+    def session(self) -> SessionName | None:
+        """The stored conversation this request's blocks are recorded under (None: it named neither)."""
+        if not self.user and not self.session_id:
+            return None
+        return (self.tenant, self.user or "", self.session_id or "")
+
+
+@dataclass(frozen=True)
+class SharedChain:
+    """The leading `tokens` of a prompt that are a text several tenants share (tenants file): their blocks are
+    keyed under `salt`, common to those tenants, and the chain rejoins the request's own salt after them."""
+
+    salt: bytes
+    tokens: int
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -52,6 +86,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    admitted_time: float | None = None  # when it first got a seat in the batch (queue time ends)
     first_token_time: float | None = None
     last_token_time: float | None = None
     cached_prompt_tokens: int = 0
@@ -61,7 +96,8 @@ class Request:
         0  # output tokens that came before this engine's (a fleet worker continuing an answer)
     )
     cache_salt: bytes = b""  # tenants with different salts never share prefix-cache blocks
-    session: tuple[str, str] | None = None  # (user, session id) its stored blocks are recorded under
+    owner: Owner = field(default_factory=Owner)
+    shared: SharedChain | None = None
     _keys: list[PrefixKey] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -87,16 +123,33 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def session(self) -> SessionName | None:
+        return self.owner.session
+
+    @property
+    def tier_rank(self) -> int:
+        return self.owner.tier_rank
+
     def keys(self, block_size: int) -> list[PrefixKey]:
         """Prefix-cache keys of the request's full blocks, extended as blocks fill (tokens never change once
-        appended, so earlier keys are computed once)."""
+        appended, so earlier keys are computed once). Blocks of a shared prefix chain from the shared salt; the
+        first block after it rejoins the request's own salt."""
         full = self.num_tokens // block_size
-        done = len(self._keys)
-        if done < full:
-            parent = self._keys[-1] if self._keys else chain_root(self.cache_salt)
-            self._keys += prefix_keys(self.all_ids[done * block_size : full * block_size], block_size, parent)
+        shared = self.shared.tokens // block_size if self.shared is not None else 0
+        while len(self._keys) < full:
+            done = len(self._keys)
+            if done < shared:
+                assert self.shared is not None
+                end, parent = min(full, shared), self._keys[-1] if done else chain_root(self.shared.salt)
+            else:
+                end, parent = full, self._keys[-1] if done else chain_root(self.cache_salt)
+                if done and done == shared:
+                    parent = rejoin(parent, self.cache_salt)
+            self._keys += prefix_keys(self.all_ids[done * block_size : end * block_size], block_size, parent)
         return self._keys[:full]
 
-    def sort_key(self) -> tuple[int, int]:
-        """FCFS within priority classes: lower priority value first, then earlier arrival."""
-        return (self.priority, self.arrival_index)
+    def sort_key(self) -> tuple[int, int, int]:
+        """Tier first (a lower rank is a higher tier), then the request's own `priority` within its tier (lower
+        first), then arrival."""
+        return (self.owner.tier_rank, self.priority, self.arrival_index)

@@ -1,14 +1,19 @@
 """Iteration-level (continuous) batching over the paged KV pool.
 
 Every step the scheduler builds one batch under a token budget:
-1. Running requests first, oldest first: a decoding request needs one token, a request still in prefill
-   gets the next chunk of its prompt. Decodes are cheap and always go first, so a long prompt arriving never
-   stalls the streams already running; its prefill is spread over several steps (chunked prefill).
-2. Waiting requests are admitted in priority order (lower `priority` first, FCFS within a class) while the
-   budget and `max_num_seqs` allow, after reusing any cached prefix blocks.
-When the pool cannot give a running request its next block, the *newest* running request is preempted:
-its blocks are freed and it goes back to the head of its class in the queue, to be recomputed later (cheaply,
-if its prefix blocks are still cached). Admission never preempts: a new request simply waits.
+1. Running requests first, highest tier first, oldest first within a tier: a decoding request needs one
+   token, a request still in prefill gets the next chunk of its prompt. Decodes are cheap and always go first,
+   so a long prompt arriving never stalls the streams already running; its prefill is spread over several
+   steps (chunked prefill).
+2. Waiting requests are admitted in order of tier (its tenant's, from the API key), then the request's own
+   `priority` within the tier (lower first), then arrival, while the budget and `max_num_seqs` allow, after
+   reusing any cached prefix blocks.
+When the pool cannot give a running request its next block, a running request of the *lowest* tier present is
+preempted, the newest of them: its blocks are freed and it goes back to the queue, to be recomputed later
+(cheaply, if its prefix blocks are still cached). A waiting request never preempts one of its own tier or a
+higher one; but when the batch is full, or the pool short of the blocks its first chunk needs, it takes the
+place of running requests of a *lower* tier (lowest first, newest first) before the step is built. So no
+request is ever preempted, or kept waiting for a seat, while a lower tier holds one.
 
 The waiting queue is bounded (`max_queue`); `add` returns False when it is full, which the API turns into a
 429 with Retry-After. The scheduler never touches tensors: where a prefix misses the pool's cache, the engine's
@@ -73,7 +78,7 @@ class Scheduler:
         self.pool = pool
         self.fetch = fetch
         self.on_register = on_register
-        self.waiting: list[tuple[tuple[int, int], Request]] = []
+        self.waiting: list[tuple[tuple[int, int, int], Request]] = []
         self.running: list[Request] = []
         self._arrivals = 0
         self.num_preemptions = 0
@@ -134,18 +139,43 @@ class Scheduler:
         request.status = Status.FINISHED
         request.finish_reason = reason
 
+    def _victim(self, scheduled_ids: set[int]) -> Request | None:
+        """The running request to preempt: of the lowest tier present, the newest; never one already in this
+        step's batch."""
+        candidates = [s for s in self.running if id(s) not in scheduled_ids]
+        if not candidates:
+            return None
+        lowest = max(s.tier_rank for s in candidates)
+        return next(s for s in reversed(candidates) if s.tier_rank == lowest)
+
+    def _seat_higher_tier(self, out: SchedulerOutput) -> None:
+        """Before the step is built: while the best waiting request outranks the lowest running tier and cannot
+        get in (the batch is full, or the free blocks cannot hold its first chunk), preempt that tier's newest."""
+        while self.waiting and self.running:
+            head = self.waiting[0][1]
+            victim = self._victim(set())
+            if victim is None or victim.tier_rank <= head.tier_rank:
+                return
+            chunk = min(head.num_uncomputed, self.config.max_num_batched_tokens)
+            full = len(self.running) >= self.config.max_num_seqs
+            if not full and self.pool.num_free >= -(-chunk // self.config.block_size):
+                return
+            self.preempt(victim)
+            out.preempted.append(victim)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
-        for request in list(self.running):
+        self._seat_higher_tier(out)
+        for request in sorted(self.running, key=lambda r: r.tier_rank):
             if budget <= 0:
                 break
             if request not in self.running:  # preempted earlier in this loop
                 continue
             num_new = min(request.num_uncomputed, budget)
             while not self._grow(request, request.num_computed + num_new):
-                victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
+                victim = self._victim(scheduled_ids)
                 if victim is None:
                     break
                 self.preempt(victim)

@@ -1,7 +1,9 @@
 """The fleet's front door: the OpenAI API with no model loaded, in front of Redis and any number of workers.
 
-Per request: the same guard and validation as `qpack serve` (API keys, body size, every field checked), then a
-concrete seed (so a regeneration after a worker's death reproduces the same tokens), a deadline, and a target
+Per request: the same guard and validation as `qpack serve` (the API key names the tenant, body size, every
+field checked), the tenant's concurrency and request limits decided in Redis (so they hold across gateways; a
+Redis that cannot be asked refuses the request, 503, rather than letting it through unlimited), the caller's
+identity and tier stamped on the queued request (workers trust only that stamp), then a concrete seed (so a regeneration after a worker's death reproduces the same tokens), a deadline, and a target
 stream. Routing: a request with a session (`session_id`, else `user`, else the start of its prompt, standing
 for its first prefix block) goes to the live worker that a consistent-hash ring over the model's live workers
 assigns it, where its KV is most likely still cached; when that worker is full or gone it goes to the model's
@@ -23,21 +25,24 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from serve.fleet import protocol as P
 from serve.fleet.reader import ResponseReader
 from serve.openai import render
 from serve.openai.answers import Piece, disconnected, sse_events
-from serve.openai.protocol import ApiError, GenerationRequest, parse_json, parse_request
-from serve.openai.routes import Guard, ServerInfo, error_response
+from serve.openai.protocol import ApiError, GenerationRequest, parse_json, parse_request, session_label
+from serve.openai.routes import Guard, ServerInfo, error_response, session_not_found
+from serve.tenancy.admission import refusal
+from serve.tenancy.redis_limits import LimiterUnavailable, RedisAdmission
+from serve.tenancy.tenants import Caller, Tenant
 
 _log = logging.getLogger("qpack.fleet")
 
@@ -65,6 +70,37 @@ class GatewayMetrics:
             "qpack_fleet_regenerations", "Answers resumed from another worker after one died", registry=r
         )
         self.redis_errors = Counter("qpack_fleet_redis_errors", "Redis calls that failed", registry=r)
+        self.tenant_requests = Counter(
+            "qpack_fleet_tenant_requests",
+            "Requests answered, per tenant, tier and HTTP status",
+            ["tenant", "tier", "status"],
+            registry=r,
+        )
+        self.tenant_rate_limited = Counter(
+            "qpack_fleet_tenant_rate_limited",
+            "Requests refused by a tenant's limit (429), per limit: requests, tokens, concurrency",
+            ["tenant", "tier", "limit"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "qpack_fleet_tenant_tokens", "Tokens per tenant and tier", ["tenant", "tier", "kind"], registry=r
+        )
+        self.tenant_queue = Histogram(
+            "qpack_fleet_tenant_queue_seconds",
+            "Time from a request's arrival to a worker accepting it, per tenant and tier",
+            ["tenant", "tier"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+            registry=r,
+        )
+        self.tenants_reloads = Counter(
+            "qpack_fleet_tenants_reloads", "Tenants file reloads (SIGHUP) by outcome", ["outcome"], registry=r
+        )
+
+    def outcome(self, status: int | str, caller: Caller | None, tenant: Tenant) -> None:
+        """One answered request: its status, overall and for its tenant and tier."""
+        self.requests.labels(outcome=str(status)).inc()
+        tier = caller.tier if caller is not None else tenant.tier.name
+        self.tenant_requests.labels(tenant.name, tier, str(status)).inc()
 
 
 class Gateway:
@@ -74,6 +110,7 @@ class Gateway:
         self.config = config
         self.redis = aioredis.Redis.from_url(config.redis_url, socket_timeout=5, socket_connect_timeout=3)
         self.metrics = GatewayMetrics()
+        self.admission = RedisAdmission(self.redis)
         self._workers: tuple[float, list[P.WorkerInfo]] = (0.0, [])
         self._depth: dict[str, tuple[float, int, int]] = {}
         self.reader: ResponseReader | None = (
@@ -137,8 +174,13 @@ class Gateway:
             return P.model_stream(request.model)
         return P.worker_stream(owner.worker_id)
 
-    async def submit(self, body: dict[str, Any], chat: bool) -> tuple[P.FleetRequest, GenerationRequest]:
+    async def submit(
+        self, body: dict[str, Any], chat: bool, tenant: Tenant
+    ) -> tuple[P.FleetRequest, GenerationRequest, Caller, dict[str, str]]:
+        """Validate, admit within the tenant's limits, stamp and queue one request; its caller and the
+        x-ratelimit-* headers of the admission. Raises ApiError (what the client gets)."""
         parsed = parse_request(body, chat)
+        caller = self.config.info.tenants.current.caller(tenant, parsed.service_tier)
         workers = await self.live_workers()
         models = sorted({w.model for w in workers})
         model = body.get("model") or (models[0] if len(models) == 1 else None)
@@ -166,14 +208,35 @@ class Gateway:
             seed=parsed.seed if parsed.seed is not None else P.new_seed(),
             deadline=time.time() + self.config.request_timeout,
             priority=parsed.priority,
-            session=_session(body, parsed),
+            session=_session(caller.tenant, parsed),
+            caller=caller.to_json(),
         )
-        await self.redis.xadd(self.route(request, serving), request.encode())
+        headers = await self._admit(tenant, caller, request)
+        try:
+            await self.redis.xadd(self.route(request, serving), request.encode())
+        except BaseException:
+            await self.admission.release(tenant, request.request_id)
+            raise
         self.queued(model)
-        return request, parsed
+        return request, parsed, caller, headers
 
-    async def chunks(self, request: P.FleetRequest) -> AsyncIterator[P.Chunk]:
-        """The request's answer, each token once, across the attempts that wrote it (`protocol.Chain`)."""
+    async def _admit(self, tenant: Tenant, caller: Caller, request: P.FleetRequest) -> dict[str, str]:
+        """The tenant's slot and request, decided in Redis (shared by every gateway); fails closed."""
+        try:
+            verdict = await self.admission.admit(tenant, request.request_id, request.deadline + 60)
+        except LimiterUnavailable as exc:
+            self.metrics.redis_errors.inc()
+            raise ApiError(
+                503, "rate limits cannot be checked (Redis unreachable); retry", kind="unavailable"
+            ) from exc
+        if not verdict.allowed:
+            self.metrics.tenant_rate_limited.labels(caller.tenant, caller.tier, verdict.limit or "").inc()
+            raise refusal(verdict, caller.tenant)
+        return verdict.headers
+
+    async def chunks(self, request: P.FleetRequest, tenant: Tenant) -> AsyncGenerator[P.Chunk, None]:
+        """The request's answer, each token once, across the attempts that wrote it (`protocol.Chain`); the
+        tenant's concurrency slot is given back when it ends, however it ends."""
         stream = P.response_stream(request.request_id)
         if self.reader is None:
             self.reader = ResponseReader(self.config.redis_url, self.redis)
@@ -200,21 +263,44 @@ class Gateway:
         finally:
             self.reader.close(stream)
             await self._forget(request)
+            await self.admission.release(tenant, request.request_id)
 
-    async def forget_sessions(self, user: str | None, session_id: str | None) -> int:
-        """Ask every live worker to delete the session's (or the user's) KV; the number of workers asked."""
+    async def forget_sessions(
+        self, tenant: str, user: str | None, session_id: str | None, wait: float = 3.0
+    ) -> tuple[int | None, int, int]:
+        """Ask every live worker to delete the tenant's session's (or user's) KV and wait up to `wait` seconds for
+        their answers: (blocks removed, None when no worker that answered had such a session; workers asked;
+        workers that did not answer in time, which still apply it when they read it)."""
+        reply = P.forget_reply_stream(uuid.uuid4().hex)
         try:
             workers = await self.live_workers()
             pipe = self.redis.pipeline(transaction=False)
             for worker in workers:
-                pipe.xadd(P.worker_stream(worker.worker_id), P.forget_entry(user, session_id))
+                pipe.xadd(P.worker_stream(worker.worker_id), P.forget_entry(tenant, user, session_id, reply))
             await pipe.execute()
+            answers = await self._answers(reply, len(workers), wait)
         except Exception as exc:
             self.metrics.redis_errors.inc()
             raise ApiError(
                 503, "the fleet's queue (Redis) is unreachable; retry", kind="unavailable"
             ) from exc
-        return len(workers)
+        found = [blocks for blocks in answers if blocks >= 0]
+        return (sum(found) if found else None), len(workers), len(workers) - len(answers)
+
+    async def _answers(self, reply: str, expected: int, wait: float) -> list[int]:
+        """The blocks each worker reports on `reply`, until all `expected` answered or `wait` passed."""
+        answers: list[int] = []
+        last: bytes | str = "0-0"
+        deadline = time.monotonic() + wait
+        try:
+            while len(answers) < expected and (left := deadline - time.monotonic()) > 0:
+                found = await self.redis.xread({reply: last}, block=max(1, int(left * 1000)))
+                for _stream, entry_id, fields in P.stream_entries(found):
+                    last = entry_id
+                    answers.append(int(P.text(fields.get(b"blocks", fields.get("blocks", b"-1")))))
+        finally:
+            await self.redis.delete(reply)
+        return answers
 
     async def _forget(self, request: P.FleetRequest) -> None:
         try:
@@ -245,14 +331,14 @@ def _point(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
-def _session(body: dict[str, Any], parsed: GenerationRequest) -> str | None:
-    """What routes a request to the worker holding its KV: the session, the user, or the prompt's start."""
+def _session(tenant: str, parsed: GenerationRequest) -> str | None:
+    """What routes a request to the worker holding its KV: the tenant's session, user, or the prompt's start."""
     if parsed.session_id or parsed.user:
-        return f"{parsed.user or ''}/{parsed.session_id or ''}"
+        return f"{tenant}/{parsed.user or ''}/{parsed.session_id or ''}"
     text = (
         parsed.prompt if isinstance(parsed.prompt, str) else (parsed.messages or [{}])[0].get("content", "")
     )
-    return f"prefix/{hashlib.sha256(str(text)[:256].encode()).hexdigest()}" if text else None
+    return f"{tenant}/prefix/{hashlib.sha256(str(text)[:256].encode()).hexdigest()}" if text else None
 
 
 def create_gateway_app(gateway: Gateway) -> FastAPI:
@@ -280,23 +366,14 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
         return await _respond(gateway, request, chat=True)
 
     @app.delete("/v1/sessions/{session_id}")
-    async def delete_session(session_id: str, user: str | None = None) -> Response:
-        """A privacy request, passed to every live worker (each holds its own sessions' KV)."""
-        try:
-            workers = await gateway.forget_sessions(user, session_id)
-        except ApiError as error:
-            return error_response(error)
-        return JSONResponse({"object": "session.deleted", "id": session_id, "user": user, "workers": workers})
+    async def delete_session(request: Request, session_id: str, user: str | None = None) -> Response:
+        """A privacy request, passed to every live worker (each holds its own sessions' KV), scoped to the
+        caller's tenant: another tenant's session is a 404, like one that never existed."""
+        return await _forget(gateway, request.state.tenant, user, session_id)
 
     @app.delete("/v1/sessions")
-    async def delete_user_sessions(user: str | None = None) -> Response:
-        if not user:
-            return error_response(ApiError(400, "name the user whose sessions to delete: ?user=NAME", "user"))
-        try:
-            workers = await gateway.forget_sessions(user, None)
-        except ApiError as error:
-            return error_response(error)
-        return JSONResponse({"object": "sessions.deleted", "user": user, "workers": workers})
+    async def delete_user_sessions(request: Request, user: str | None = None) -> Response:
+        return await _forget(gateway, request.state.tenant, user, None)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -327,42 +404,91 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
     return app
 
 
+async def _forget(gateway: Gateway, tenant: Tenant, user: str | None, session_id: str | None) -> Response:
+    try:
+        user, session_id = session_label(user, session_id)
+        blocks, workers, pending = await gateway.forget_sessions(tenant.name, user, session_id)
+    except ApiError as error:
+        return error_response(error)
+    if blocks is None and pending == 0:
+        return error_response(session_not_found(user, session_id))
+    body: dict[str, Any] = {
+        "user": user,
+        "blocks": blocks or 0,
+        "workers": workers,
+        "workers_pending": pending,
+    }
+    if session_id is None:
+        return JSONResponse({"object": "sessions.deleted", **body}, status_code=202 if pending else 200)
+    return JSONResponse(
+        {"object": "session.deleted", "id": session_id, **body}, status_code=202 if pending else 200
+    )
+
+
+@dataclass
+class _Answer:
+    """One request on its way through the gateway: what its answer is counted and stamped with."""
+
+    request: P.FleetRequest
+    tenant: Tenant
+    caller: Caller
+    arrived: float = field(default_factory=time.monotonic)
+
+
 async def _respond(gateway: Gateway, request: Request, chat: bool) -> Response:
     """Queue one completion and answer it: SSE when `stream`, else one JSON body."""
+    tenant: Tenant = request.state.tenant
+    metrics = gateway.metrics
     try:
         body = parse_json(await request.body())
-        fleet_request, parsed = await gateway.submit(body, chat)
+        fleet_request, parsed, caller, headers = await gateway.submit(body, chat, tenant)
     except ApiError as error:
-        gateway.metrics.requests.labels(outcome=str(error.status)).inc()
+        metrics.outcome(error.status, None, tenant)
         return error_response(error)
     except Exception as exc:
-        gateway.metrics.redis_errors.inc()
+        metrics.redis_errors.inc()
+        metrics.outcome(503, None, tenant)
         _log.warning("fleet gateway: cannot queue a request: %r", exc)
         return error_response(
             ApiError(503, "the fleet's queue (Redis) is unreachable; retry", kind="unavailable")
         )
-    stream = gateway.chunks(fleet_request)
+    answer = _Answer(fleet_request, tenant, caller)
+    stream = gateway.chunks(fleet_request, tenant)
     first = await anext(stream)
     if first.kind == "error":
-        gateway.metrics.requests.labels(outcome=str(first.status)).inc()
-        return _chunk_error(first)
+        await stream.aclose()
+        metrics.outcome(first.status, caller, tenant)
+        if first.status == 429:  # the tenant's tokens, reserved by the worker
+            limit = str((first.error or {}).get("type") or "tokens")
+            metrics.tenant_rate_limited.labels(caller.tenant, caller.tier, limit).inc()
+        return _chunk_error(first, headers)
+    metrics.tenant_queue.labels(caller.tenant, caller.tier).observe(time.monotonic() - answer.arrived)
     created = int(time.time())
-    headers = {"x-qpack-worker": first.worker}
+    headers = {**headers, **(first.headers or {}), "x-qpack-worker": first.worker}
     if parsed.stream:
         return StreamingResponse(
             _events(
                 gateway,
-                fleet_request,
+                answer,
                 stream,
-                render.Chunks(fleet_request.request_id, chat, created, fleet_request.model),
+                render.Chunks(
+                    fleet_request.request_id, chat, created, fleet_request.model, caller.service_tier
+                ),
                 parsed.include_usage,
             ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", **headers},
         )
-    response = await _whole(gateway, request, fleet_request, stream, chat, created)
+    response = await _whole(gateway, request, answer, stream, chat, created)
     response.headers.update(headers)
     return response
+
+
+def _count_usage(gateway: Gateway, caller: Caller, usage: dict[str, Any] | None) -> None:
+    for kind in ("prompt", "completion"):
+        tokens = (usage or {}).get(f"{kind}_tokens")
+        if isinstance(tokens, int):
+            gateway.metrics.tenant_tokens.labels(caller.tenant, caller.tier, kind).inc(tokens)
 
 
 def _models(workers: list[P.WorkerInfo]) -> dict[str, Any]:
@@ -389,12 +515,13 @@ def _models(workers: list[P.WorkerInfo]) -> dict[str, Any]:
 async def _whole(
     gateway: Gateway,
     request: Request,
-    fleet_request: P.FleetRequest,
+    answer: _Answer,
     stream: AsyncIterator[P.Chunk],
     chat: bool,
     created: int,
 ) -> Response:
     """A non-streaming answer; a client that goes away cancels the request on its worker."""
+    fleet_request, caller = answer.request, answer.caller
     text: list[str] = []
     reader = asyncio.ensure_future(_collect(stream, text))
     gone = asyncio.ensure_future(disconnected(request))
@@ -402,13 +529,15 @@ async def _whole(
     if not reader.done():
         reader.cancel()
         await gateway.cancel(fleet_request)
+        gateway.metrics.outcome(499, caller, answer.tenant)
         return error_response(ApiError(499, "client disconnected"))
     gone.cancel()
     final = reader.result()
     if final.kind == "error":
-        gateway.metrics.requests.labels(outcome=str(final.status)).inc()
+        gateway.metrics.outcome(final.status, caller, answer.tenant)
         return _chunk_error(final)
-    gateway.metrics.requests.labels(outcome="200").inc()
+    gateway.metrics.outcome(200, caller, answer.tenant)
+    _count_usage(gateway, caller, final.usage)
     usage = final.usage or {}
     choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish_reason}
     joined = "".join(text)
@@ -421,13 +550,15 @@ async def _whole(
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": fleet_request.model,
+            "service_tier": caller.service_tier,
             "choices": [choice],
             "usage": usage,
         }
     )
 
 
-def _chunk_error(chunk: P.Chunk) -> Response:
+def _chunk_error(chunk: P.Chunk, headers: dict[str, str] | None = None) -> Response:
+    """A worker's error as the client gets it (its rate-limit headers, over the gateway's own)."""
     error = chunk.error or {}
     status = chunk.status or 500
     return error_response(
@@ -437,6 +568,7 @@ def _chunk_error(chunk: P.Chunk) -> Response:
             error.get("param"),
             error.get("code"),
             str(error.get("type") or "server_error"),
+            headers={**(headers or {}), **(chunk.headers or {})},
         )
     )
 
@@ -454,28 +586,31 @@ async def _collect(stream: AsyncIterator[P.Chunk], text: list[str]) -> P.Chunk:
 
 def _events(
     gateway: Gateway,
-    fleet_request: P.FleetRequest,
-    stream: AsyncIterator[P.Chunk],
+    answer: _Answer,
+    stream: AsyncGenerator[P.Chunk, None],
     chunks: render.Chunks,
     include_usage: bool,
 ) -> AsyncIterator[str]:
     """The SSE stream of a fleet answer; each outcome counted once, a client that goes away cancels the request
     on its worker."""
+    metrics, caller = gateway.metrics, answer.caller
 
     async def pieces() -> AsyncIterator[Piece]:
         async for chunk in stream:
             if chunk.kind == "delta":
                 yield Piece(chunk.text)
             elif chunk.kind == "done":
-                gateway.metrics.requests.labels(outcome="200").inc()
+                metrics.outcome(200, caller, answer.tenant)
+                _count_usage(gateway, caller, chunk.usage)
                 yield Piece(chunk.text, True, chunk.finish_reason, chunk.usage)
                 return
             elif chunk.kind == "error":
-                gateway.metrics.requests.labels(outcome=str(chunk.status)).inc()
+                metrics.outcome(chunk.status, caller, answer.tenant)
                 yield Piece(None, True, "error")
                 return
 
     async def abandon() -> None:
-        await gateway.cancel(fleet_request)
+        await gateway.cancel(answer.request)
+        await stream.aclose()
 
     return sse_events(pieces(), chunks, include_usage, abandon)

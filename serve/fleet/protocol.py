@@ -19,8 +19,13 @@ Layout (all keys under `qpack:`):
   than regenerating it and relying on float-identical replay: the client sees one coherent answer with no
   duplicate and no gap, and no generated token is lost to a crash.
 - `cancel:{request id}`: set by a gateway whose client went away; the worker aborts the request.
-- A `forget` entry (user, session) in every live worker's own stream: a session deletion (privacy request) that
-  each worker applies to its pool and tiers.
+- A `forget` entry (tenant, user, session, reply stream) in every live worker's own stream: a session deletion
+  (privacy request) that each worker applies to its pool and tiers, only among that tenant's sessions, answering
+  on the reply stream how many blocks it removed (-1: no such session there).
+- Identity: the gateway authenticates the API key and stamps each request with its `caller` (tenant, tier,
+  limits a worker applies; `serve.tenancy.Caller`); a worker acts on that stamp only, never on the body's
+  `user`, `session_id` or `service_tier` as identity. Limits that must hold across gateways live under
+  `qpack:limit:` (`serve.tenancy.redis_limits`).
 """
 
 from __future__ import annotations
@@ -96,6 +101,9 @@ class FleetRequest:
     priority: int = 0
     session: str | None = None
     created: float = field(default_factory=time.time)
+    caller: dict[str, Any] | None = (
+        None  # the gateway's stamp (`Caller.to_json`): who is asking, at which tier
+    )
 
     def encode(self) -> dict[FieldT, EncodableT]:
         return {"request": json.dumps(asdict(self))}
@@ -108,8 +116,14 @@ class FleetRequest:
         return cls(**json.loads(str(raw)))
 
 
-def forget_entry(user: str | None, session_id: str | None) -> dict[FieldT, EncodableT]:
-    return {"forget": json.dumps({"user": user, "session_id": session_id})}
+def forget_entry(
+    tenant: str, user: str | None, session_id: str | None, reply: str
+) -> dict[FieldT, EncodableT]:
+    return {"forget": json.dumps({"tenant": tenant, "user": user, "session_id": session_id, "reply": reply})}
+
+
+def forget_reply_stream(token: str) -> str:
+    return f"{PREFIX}forgot:{token}"
 
 
 def new_seed() -> int:
@@ -131,6 +145,9 @@ class Chunk:
     worker: str = ""
     attempt: int = 1
     ids: list[int] | None = None  # the token ids this delta (or the last one, in `done`) adds
+    headers: dict[str, str] | None = (
+        None  # `accepted` and `error`: x-ratelimit-* (and Retry-After) to pass on
+    )
 
     def encode(self) -> dict[FieldT, EncodableT]:
         return {

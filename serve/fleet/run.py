@@ -47,6 +47,9 @@ def run_gateway(options: ServeOptions, info: ServerInfo, log: Callable[[str], No
     url = _redis_url(options)
     check_redis(url)
     gateway = Gateway(GatewayConfig(url, options.max_queue, options.request_timeout, info))
+    info.tenants.reload_on_sighup(
+        log, lambda ok: gateway.metrics.tenants_reloads.labels("ok" if ok else "failed").inc()
+    )
     log(f"qpack fleet gateway on http://{options.host}:{options.port} (queue: {url})")
     serve_app(create_gateway_app(gateway), options.host, options.port)
 
@@ -95,7 +98,8 @@ def worker_app(worker: FleetWorker) -> FastAPI:
 def worker_options(options: ServeOptions, index: int) -> ServeOptions:
     """The options of a `--role all` gateway's INDEX-th worker: the same model and engine limits, its own port
     after the gateway's, one thread unless --threads says otherwise, its /health and /metrics on loopback, and no
-    API keys (a worker serves no API; its options travel on a command line)."""
+    API keys or tenants (a worker serves no API and trusts the gateway's stamp; its options travel on a command
+    line)."""
     return dataclasses.replace(
         options,
         role="worker",
@@ -104,6 +108,7 @@ def worker_options(options: ServeOptions, index: int) -> ServeOptions:
         threads=options.threads or 1,
         api_keys=(),
         api_key_file=None,
+        tenants_file=None,
     )
 
 

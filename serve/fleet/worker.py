@@ -9,6 +9,11 @@ request is answered its entry is XACKed. A heartbeat hash (model, version, conte
 refreshed every second with a short TTL; in-flight entries are re-claimed to this worker every few seconds
 (which resets their idle time), and entries that a dead worker left pending are claimed once idle for
 `claim_idle` seconds and generated again from the start, with the same seed.
+
+Identity is the gateway's stamp on each request (`caller`: tenant, tier, limits), never the body: the body's
+`user` and `session_id` are names inside that tenant. The worker alone knows a prompt's token count, so it
+reserves prompt + max_tokens in the tenant's token bucket in Redis (shared by the fleet) before queuing, and gives
+back the unused part in the same round trip that writes the answer's end.
 """
 
 from __future__ import annotations
@@ -28,9 +33,13 @@ from typing import TYPE_CHECKING, Any
 from serve.engine import Engine, RequestOutput
 from serve.fleet import protocol as P
 from serve.openai.answers import engine_refusals
-from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids
-from serve.openai.protocol import ApiError, parse_request, sampling_params
+from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids, shared_tokens
+from serve.openai.protocol import ApiError, GenerationRequest, parse_request
 from serve.openai.render import usage as _usage
+from serve.request import SamplingParams
+from serve.tenancy.admission import limited_params, owner_of, refusal
+from serve.tenancy.redis_limits import LimiterUnavailable, RedisTokens
+from serve.tenancy.tenants import Caller
 
 if TYPE_CHECKING:
     from redis.typing import StreamIdT
@@ -59,6 +68,14 @@ class _InFlight:
     stream: str
     entry_id: str
     attempt: int
+    caller: Caller | None = None
+    reserved: int = 0  # tokens this attempt took from its tenant's bucket: prompt + max_tokens
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # generated so far (what is not given back)
+
+    @property
+    def unused(self) -> int:
+        return max(0, self.reserved - self.prompt_tokens - self.completion_tokens)
 
 
 class FleetWorker:
@@ -67,6 +84,7 @@ class FleetWorker:
 
         self.engine, self.config = engine, config
         self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=10, socket_connect_timeout=5)
+        self.tokens = RedisTokens(self.redis)
         self.own = P.worker_stream(config.worker_id)
         self.shared = P.model_stream(config.name)
         self.capacity = engine.config.max_num_seqs + engine.config.max_queue // 4
@@ -235,23 +253,25 @@ class FleetWorker:
         chain = self._chain(request.request_id) if attempt > 1 else P.Chain()
         item = _InFlight(stream, entry_id, chain.attempt + 1)
         try:
-            prompt_tokens = self._admit(request, item, chain)
+            headers = self._admit(request, item, chain)
         except ApiError as error:
             with self._lock:
                 self.inflight.pop(request.request_id, None)
-            self._reply(
-                request.request_id, P.Chunk("error", status=error.status, error=error.body()["error"]), item
+            failed = P.Chunk(
+                "error", status=error.status, error=error.body()["error"], headers=error.headers or None
             )
+            self._reply(request.request_id, failed, item)
             return
-        if prompt_tokens is None:  # nothing left to generate
+        if headers is None:  # nothing left to generate
             return
         self._send(
             request.request_id,
             P.Chunk(
                 "accepted",
                 tokens=max(chain.tokens, 0),
-                usage={"prompt_tokens": prompt_tokens},
+                usage={"prompt_tokens": item.prompt_tokens},
                 attempt=item.attempt,
+                headers=headers or None,
             ),
         )
 
@@ -266,24 +286,35 @@ class FleetWorker:
         return chain
 
     def _forget(self, stream: str, entry_id: str, fields: P.Fields) -> None:
-        """A session deletion broadcast by a gateway: drop its KV here, then acknowledge."""
+        """A session deletion broadcast by a gateway, within one tenant: drop its KV here, answer how many blocks
+        went (-1: no such session here) on the gateway's reply stream, then acknowledge."""
+        blocks, reply = None, None
         try:
             target = json.loads(P.text(fields.get(b"forget", fields.get("forget", ""))))
-            blocks = self.engine.forget_sessions(target.get("user"), target.get("session_id"))
-            _log.info("fleet worker: forgot %d blocks of %s", blocks, target)
-        except (ValueError, TypeError, AttributeError) as exc:
+            reply = target.get("reply")
+            blocks = self.engine.forget_sessions(
+                str(target["tenant"]), target.get("user"), target.get("session_id")
+            )
+            _log.info("fleet worker: forgot %s blocks of a session of tenant %s", blocks, target["tenant"])
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
             _log.warning("dropping a malformed forget entry %s: %s", entry_id, exc)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xack(stream, P.GROUP, entry_id)
         pipe.xdel(stream, entry_id)
+        if isinstance(reply, str) and reply.startswith(P.forget_reply_stream("")):
+            pipe.xadd(reply, {"worker": self.config.worker_id, "blocks": -1 if blocks is None else blocks})
+            pipe.expire(reply, 60)
         pipe.execute()
 
-    def _admit(self, request: P.FleetRequest, item: _InFlight, chain: P.Chain) -> int | None:
-        """Validate, tokenize and queue the request on the engine, continuing CHAIN's answer if a previous
-        attempt delivered part of it; ApiError carries what the client gets."""
+    def _admit(self, request: P.FleetRequest, item: _InFlight, chain: P.Chain) -> dict[str, str] | None:
+        """Validate, tokenize, reserve the tokens and queue the request on the engine, continuing CHAIN's answer
+        if a previous attempt delivered part of it; the x-ratelimit-* headers of the token reservation, None when
+        nothing was left to generate. ApiError carries what the client gets."""
         if time.time() > request.deadline:
             raise ApiError(504, "request timed out", kind="timeout")
-        ids, params = self._prepare(request)
+        caller = self._caller(request)
+        parsed, ids, params, shared = self._prepare(request, caller)
+        item.caller, item.prompt_tokens = caller, len(ids)
         done = len(chain.ids)
         self.resumed_tokens += done
         if done:
@@ -291,23 +322,62 @@ class FleetWorker:
             if params.max_tokens < 1:
                 self._finish_resumed(request, item, chain, len(ids))
                 return None
+        headers = self._reserve(item, params.max_tokens) if chain.tokens < 0 else {}
         with self._lock:
             self.inflight[request.request_id] = item
-        with engine_refusals("worker"):
-            self.engine.add(
-                request.request_id,
-                ids,
-                params,
-                self._callback(request.request_id, item),
-                priority=request.priority,
-                timeout=max(0.1, request.deadline - time.time()),
-                cache_salt=str(request.body.get("cache_salt") or "").encode(),
-                user=request.body.get("user"),
-                session_id=request.body.get("session_id"),
-                resume_ids=chain.ids,
-                resume_chars=chain.chars,
-            )
-        return len(ids)
+        try:
+            with engine_refusals("worker"):
+                self.engine.add(
+                    request.request_id,
+                    ids,
+                    params,
+                    self._callback(request.request_id, item),
+                    priority=request.priority,
+                    timeout=max(0.1, request.deadline - time.time()),
+                    cache_salt=str(request.body.get("cache_salt") or "").encode(),
+                    owner=owner_of(caller, parsed),
+                    shared=shared,
+                    resume_ids=chain.ids,
+                    resume_chars=chain.chars,
+                )
+        except ApiError:
+            self._give_back(item)
+            raise
+        return headers
+
+    @staticmethod
+    def _caller(request: P.FleetRequest) -> Caller:
+        """The gateway's stamp: the only identity a worker acts on."""
+        try:
+            return Caller.from_json(request.caller)
+        except ValueError as exc:
+            raise ApiError(
+                500, f"the request carries no valid caller stamp ({exc})", kind="server_error"
+            ) from None
+
+    def _reserve(self, item: _InFlight, max_tokens: int) -> dict[str, str]:
+        """prompt + max_tokens from the tenant's token bucket in Redis (this attempt is the first accepted)."""
+        assert item.caller is not None
+        wanted = item.prompt_tokens + max_tokens
+        try:
+            verdict = self.tokens.reserve(item.caller, wanted)
+        except LimiterUnavailable:
+            raise ApiError(
+                503, "rate limits cannot be checked (Redis unreachable); retry", kind="unavailable"
+            ) from None
+        if not verdict.allowed:
+            raise refusal(verdict, item.caller.tenant, wanted)
+        if item.caller.tokens_per_minute is not None:
+            item.reserved = wanted
+        return verdict.headers
+
+    def _give_back(self, item: _InFlight) -> None:
+        """Return a reservation the engine refused (the pipeline of a finished answer returns the others)."""
+        if item.caller is not None and item.reserved:
+            pipe = self.redis.pipeline(transaction=False)
+            self.tokens.refund(pipe, item.caller, item.reserved - item.prompt_tokens)
+            pipe.execute()
+            item.reserved = 0
 
     def _finish_resumed(self, request: P.FleetRequest, item: _InFlight, chain: P.Chain, prompt: int) -> None:
         """A previous attempt generated every token but died before saying so: only the end is missing."""
@@ -321,14 +391,21 @@ class FleetWorker:
         )
         self._reply(request.request_id, chunk, item)
 
-    def _prepare(self, request: P.FleetRequest) -> tuple[list[int], Any]:
+    def _prepare(
+        self, request: P.FleetRequest, caller: Caller
+    ) -> tuple[GenerationRequest, list[int], SamplingParams, tuple[str, int] | None]:
+        """The request as the single server reads it: parsed, token ids, sampling within the caller's limits, and
+        the shared prefix it starts with (if its tenant shares one)."""
+        engine = self.engine
         parsed = parse_request({**request.body, "seed": request.seed}, request.chat)
-        check_text_size(parsed, self.max_chars, self.engine.max_model_len)
-        ids = prompt_ids(parsed, self.engine.tokenizer, self.engine.vocab_size)
-        return ids, sampling_params(parsed, len(ids), self.engine.max_model_len)
+        check_text_size(parsed, self.max_chars, engine.max_model_len)
+        ids = prompt_ids(parsed, engine.tokenizer, engine.vocab_size)
+        shared = shared_tokens(parsed, ids, caller.shared_prefixes, engine.tokenizer)
+        return parsed, ids, limited_params(parsed, len(ids), engine.max_model_len, caller), shared
 
     def _callback(self, request_id: str, item: _InFlight) -> Any:
         def callback(output: RequestOutput) -> None:
+            item.completion_tokens = output.completion_tokens
             if not output.finished:
                 self._send(
                     request_id,
@@ -420,6 +497,8 @@ class FleetWorker:
             if item is not None:
                 pipe.xack(item.stream, P.GROUP, item.entry_id)
                 pipe.xdel(item.stream, item.entry_id)
+                if item.caller is not None and item.reserved:
+                    self.tokens.refund(pipe, item.caller, item.unused)
         return pipe
 
     def _check_cancels(self) -> None:

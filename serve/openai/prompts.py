@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from serve.openai.protocol import ApiError, GenerationRequest
+from serve.tenancy.tenants import SharedPrefix
 
 
 def longest_token_chars(tokenizer: Any) -> int:
@@ -46,12 +47,58 @@ def prompt_ids(request: GenerationRequest, tokenizer: Any, vocab_size: int) -> l
     return list(prompt)
 
 
-def _chat_ids(messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
+def _chat_ids(messages: list[dict[str, str]], tokenizer: Any, generation_prompt: bool = True) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
         except Exception as exc:
             raise ApiError(400, f"the chat template rejected these messages: {exc}", "messages") from None
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + (
+        "assistant:" if generation_prompt else ""
+    )
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def shared_tokens(
+    request: GenerationRequest, ids: list[int], prefixes: tuple[SharedPrefix, ...], tokenizer: Any
+) -> tuple[str, int] | None:
+    """(name, tokens) of the shared prefix this prompt starts with, if its tenant may share one: a chat whose first
+    message is a system message of exactly the shared text, or a completion prompt that starts with it. The tokens
+    are those the prompt and the shared text alone have in common (a boundary that tokenizes differently is not
+    shared)."""
+    if not prefixes:
+        return None
+    if request.messages is not None:
+        first = request.messages[0]
+        prefix = next(
+            (
+                p
+                for p in prefixes
+                if first["role"] == "system"
+                and len(first["content"]) == p.chars
+                and p.matches(first["content"])
+            ),
+            None,
+        )
+        if prefix is None:
+            return None
+        try:
+            alone = _chat_ids([first], tokenizer, generation_prompt=False)
+        except ApiError:  # a template that wants more than a system message: nothing is shared
+            return None
+    elif isinstance(request.prompt, str):
+        prefix = next((p for p in prefixes if p.matches(request.prompt)), None)
+        if prefix is None:
+            return None
+        alone = list(tokenizer(request.prompt[: prefix.chars], add_special_tokens=True)["input_ids"])
+    else:
+        return None
+    common = 0
+    for mine, theirs in zip(ids, alone, strict=False):
+        if mine != theirs:
+            break
+        common += 1
+    return (prefix.name, common) if common else None

@@ -31,6 +31,12 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "response_format": lambda v: v not in (None, {"type": "text"}),
 }
 ROLES = ("system", "user", "assistant", "developer")
+SERVICE_TIERS = (
+    "auto",
+    "default",
+    "flex",
+    "priority",
+)  # OpenAI's request values (`serve.tenancy` resolves them)
 
 
 class ApiError(Exception):
@@ -41,9 +47,11 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = dict(headers or {})  # e.g. Retry-After and the x-ratelimit-* headers of a 429
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -70,6 +78,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     user: str | None = None
     session_id: str | None = None
+    service_tier: str | None = None  # asked for; the tier it runs at is its tenant's or a lower one
 
     @property
     def text_chars(self) -> int:
@@ -128,12 +137,16 @@ def parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
         cache_salt=_cache_salt(body),
         user=_label(body, "user"),
         session_id=_label(body, "session_id"),
+        service_tier=_service_tier(body),
     )
 
 
-def sampling_params(request: GenerationRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
+def sampling_params(
+    request: GenerationRequest, prompt_len: int, max_model_len: int, max_tokens_limit: int | None = None
+) -> SamplingParams:
     """The engine's sampling parameters; max_tokens must leave the prompt room in the context (default: 16 for
-    completions, the rest of the context for chat)."""
+    completions, the rest of the context for chat) and stay within `max_tokens_limit` (the caller's tenant's
+    limit, also the most a request that asks none gets)."""
     room = max_model_len - prompt_len
     if room <= 0:
         raise ApiError(
@@ -143,7 +156,14 @@ def sampling_params(request: GenerationRequest, prompt_len: int, max_model_len: 
             "context_length_exceeded",
         )
     if request.max_tokens is None:
-        max_tokens = min(room if request.chat else 16, room)
+        max_tokens = min(room if request.chat else 16, room, max_tokens_limit or room)
+    elif max_tokens_limit is not None and request.max_tokens > max_tokens_limit:
+        raise ApiError(
+            400,
+            f"'{request.max_key}' {request.max_tokens} is above this API key's limit of {max_tokens_limit}",
+            request.max_key,
+            "max_tokens_above_limit",
+        )
     elif request.max_tokens > room:
         raise ApiError(
             400,
@@ -259,6 +279,14 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     raise ApiError(400, "'stop' must be a string or a list of up to 16 strings", "stop")
 
 
+def session_label(user: str | None, session_id: str | None) -> tuple[str | None, str | None]:
+    """The user and session a deletion names (query parameters), checked as the body's `user` and `session_id`
+    are; deleting every session of a user needs the user."""
+    if session_id is None and not user:
+        raise ApiError(400, "name the user whose sessions to delete: ?user=NAME", "user")
+    return _label({"user": user}, "user"), _label({"session_id": session_id}, "session_id")
+
+
 def _label(body: dict[str, Any], key: str) -> str | None:
     """OpenAI's `user` and the `session_id` extension: short printable names the tiers record blocks under."""
     value = body.get(key)
@@ -267,6 +295,18 @@ def _label(body: dict[str, Any], key: str) -> str | None:
     if not isinstance(value, str) or not 0 < len(value) <= 256 or not value.isprintable():
         raise ApiError(400, f"'{key}' must be a printable string of 1 to 256 characters", key)
     return _text(value, key, key)
+
+
+def _service_tier(body: dict[str, Any]) -> str | None:
+    """OpenAI's `service_tier`: a wish the server grants only downwards (`serve.tenancy`)."""
+    tier = body.get("service_tier")
+    if tier is None:
+        return None
+    if tier not in SERVICE_TIERS:
+        raise ApiError(
+            400, f"'service_tier' must be one of {', '.join(SERVICE_TIERS)} (got {tier!r})", "service_tier"
+        )
+    return str(tier)
 
 
 def _cache_salt(body: dict[str, Any]) -> str | None:

@@ -20,9 +20,9 @@ def usage(output: RequestOutput) -> dict[str, Any]:
 
 
 def response(
-    request_id: str, chat: bool, created: int, model: str, text: str, final: RequestOutput
+    request_id: str, chat: bool, created: int, model: str, text: str, final: RequestOutput, service_tier: str
 ) -> dict[str, Any]:
-    """The whole answer of a non-streaming request."""
+    """The whole answer of a non-streaming request (`service_tier`: the tier it ran at, as OpenAI names it)."""
     choice: dict[str, Any]
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}}
@@ -34,6 +34,7 @@ def response(
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": model,
+        "service_tier": service_tier,
         "choices": [choice],
         "usage": usage(final),
     }
@@ -43,12 +44,19 @@ class Chunks:
     """The SSE events of one streaming request: a role chunk first (chat), text deltas, the finish reason, the
     usage chunk when asked for, then [DONE]."""
 
-    def __init__(self, request_id: str, chat: bool, created: int, model: str) -> None:
+    def __init__(self, request_id: str, chat: bool, created: int, model: str, service_tier: str) -> None:
         self.request_id, self.chat, self.created, self.model = request_id, chat, created, model
+        self.service_tier = service_tier
         self.kind = "chat.completion.chunk" if chat else "text_completion"
 
     def _event(self, **fields: Any) -> str:
-        body = {"id": self.request_id, "object": self.kind, "created": self.created, "model": self.model}
+        body = {
+            "id": self.request_id,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.model,
+            "service_tier": self.service_tier,
+        }
         return f"data: {json.dumps({**body, **fields})}\n\n"
 
     def role(self) -> str:

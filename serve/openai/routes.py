@@ -1,10 +1,15 @@
 """The HTTP routes in front of the engine: thin handlers over `protocol` (parsing), `prompts` (tokenizing) and
 `render` (response bodies), behind a guard that treats every request as hostile.
 
-- `Guard` (plain ASGI, in front of everything under /v1): API keys compared in constant time (sha256 digests
-  through `hmac.compare_digest`, every configured key compared, none logged), 503 while draining, and bodies over
-  `max_request_bytes` refused with 413 before anything is parsed (Content-Length, or counted as a chunked body
-  arrives).
+- `Guard` (plain ASGI, in front of everything under /v1): the API key names the tenant (`serve.tenancy`: sha256
+  digests compared in constant time, every configured key compared, none logged), which the request carries from
+  then on (`request.state.tenant`); 503 while draining, and bodies over `max_request_bytes` refused with 413
+  before anything is parsed (Content-Length, or counted as a chunked body arrives).
+- Per request, its tenant's limits (`serve.tenancy.admission.Door`): a concurrency slot and a request before the
+  prompt is tokenized, prompt + max_tokens from the token bucket after, the unused part back at the end; a
+  refusal is OpenAI's 429 with `Retry-After` and `x-ratelimit-*` headers, which successful answers carry too.
+  `service_tier` may lower the tier a request runs at, never raise it; the answer says which it ran at.
+  `user`, `session_id` and the session deletions are names inside the caller's tenant.
 - Tokenizing runs on one worker thread, never on the event loop, after a character cap (`prompts`), so a huge
   prompt can neither stall `/health` nor other requests' streams.
 - A client that disconnects aborts its request at once, streaming or not: a watcher task waits for the ASGI
@@ -19,8 +24,6 @@ server drains (SIGTERM), new requests get 503 and running ones finish.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 import threading
@@ -38,17 +41,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from serve.engine import Engine, RequestOutput
 from serve.openai import render
 from serve.openai.answers import Piece, disconnected, engine_refusals, sse_events
-from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids
+from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids, shared_tokens
 from serve.openai.protocol import (
     ApiError,
     GenerationRequest,
     check_model,
     parse_json,
     parse_request,
-    sampling_params,
+    session_label,
 )
 from serve.options import DEFAULT_MAX_REQUEST_BYTES
 from serve.request import SamplingParams
+from serve.tenancy.admission import Door, Ticket, limited_params, owner_of
+from serve.tenancy.limits import LocalLimiter
+from serve.tenancy.tenants import Caller, Tenant, TenantsSource
 
 _log = logging.getLogger("qpack.serve")
 
@@ -63,18 +69,18 @@ Send = Callable[[Message], Awaitable[None]]
 class ServerInfo:
     name: str
     version: str
-    api_keys: tuple[str, ...] = ()
+    tenants: TenantsSource = field(default_factory=TenantsSource)  # who may ask (keys -> tenants), reloadable
     request_timeout: float | None = 600.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     numerics: dict[str, Any] = field(default_factory=dict)  # how the model computes (`Engine.numerics`)
 
-    def __repr__(self) -> str:  # never print a key
-        return f"ServerInfo(name={self.name!r}, version={self.version!r}, api_keys=<{len(self.api_keys)}>)"
-
 
 def error_response(error: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if error.status in (429, 503) else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    """The OpenAI error body; a 429 or 503 without headers of its own says Retry-After: 1."""
+    headers = dict(error.headers)
+    if error.status in (429, 503) and not headers:
+        headers["Retry-After"] = "1"
+    return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
 
 
 class BodyTooLarge(ApiError):
@@ -87,34 +93,31 @@ class BodyTooLarge(ApiError):
 
 
 class Guard:
-    """ASGI middleware for /v1: API keys, draining, body size. Reads no body itself."""
+    """ASGI middleware for /v1: the caller's tenant from its API key, draining, body size. Reads no body itself."""
 
     def __init__(self, app: Any, info: ServerInfo, draining: Callable[[], bool]) -> None:
         self.app, self.info, self.draining = app, info, draining
-        self.key_digests = [hashlib.sha256(key.encode()).digest() for key in info.api_keys]
 
-    def authorized(self, header: bytes | None) -> bool:
-        """Constant-time in the key's content: every configured key is compared, equal-length digests."""
-        presented = header[7:] if header is not None and header.startswith(b"Bearer ") else b""
-        digest = hashlib.sha256(presented).digest()
-        matched = False
-        for key in self.key_digests:
-            matched |= hmac.compare_digest(digest, key)
-        return matched and bool(presented)
+    def tenant(self, header: bytes | None) -> Tenant | None:
+        """The tenant of the `Authorization: Bearer KEY` header (any tenant when the server has no keys)."""
+        presented = header[7:] if header is not None and header.startswith(b"Bearer ") else None
+        return self.info.tenants.current.authenticate(presented)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        error = self._refusal(scope, headers)
+        tenant = self.tenant(headers.get(b"authorization"))
+        error = self._refusal(scope, headers, tenant)
         if error is not None:
             await _send_error(send, error)
             return
+        scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, _limited(receive, self.info.max_request_bytes), send)
 
-    def _refusal(self, scope: Scope, headers: dict[bytes, bytes]) -> ApiError | None:
-        if self.key_digests and not self.authorized(headers.get(b"authorization")):
+    def _refusal(self, scope: Scope, headers: dict[bytes, bytes], tenant: Tenant | None) -> ApiError | None:
+        if tenant is None:
             missing = "invalid or missing API key (send 'Authorization: Bearer KEY')"
             return ApiError(401, missing, code="invalid_api_key")
         if self.draining() and scope["method"] == "POST":
@@ -155,60 +158,104 @@ async def _send_error(send: Send, error: ApiError) -> None:
 
 
 class Generation:
-    """Submits validated requests to the engine and turns its outputs into responses or SSE streams."""
+    """Submits validated requests to the engine, within their tenant's limits, and turns the engine's outputs into
+    responses or SSE streams."""
 
     def __init__(self, engine: Engine, info: ServerInfo) -> None:
         self.engine, self.info = engine, info
         self.max_chars = engine.max_model_len * longest_token_chars(engine.tokenizer)
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qpack-tokenize")
+        self.door = Door(LocalLimiter(), engine.metrics, hold=(info.request_timeout or 3600.0) + 60)
 
     async def respond(self, request: Request, chat: bool) -> Response:
+        tenant: Tenant = request.state.tenant
+        tier = tenant.tier.name
+        ticket: Ticket | None = None
         try:
-            parsed, ids, params = await self._read(request, chat)
+            parsed = self._parse(parse_json(await request.body()), chat)
+            caller = self.info.tenants.current.caller(tenant, parsed.service_tier)
+            tier = caller.tier
             request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            queue = self._submit(request_id, ids, params, parsed)
+            ticket = self.door.admit(tenant, caller, request_id)
+            ids, params, shared = await self._prompt(parsed, caller)
+            self.door.reserve(ticket, len(ids), params.max_tokens)
+            queue = self._submit(request_id, ids, params, parsed, caller, shared)
         except ApiError as error:
-            return error_response(error)
+            if ticket is not None:
+                self.door.close(ticket, 0)
+            return self._counted(error_response(error), tenant.name, tier)
         created = int(time.time())
         if parsed.stream:
-            chunks = render.Chunks(request_id, chat, created, self.info.name)
-            return StreamingResponse(
-                self._events(request_id, queue, chunks, parsed.include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
+            chunks = render.Chunks(request_id, chat, created, self.info.name, caller.service_tier)
+            return self._counted(
+                StreamingResponse(
+                    self._events(ticket, queue, chunks, parsed.include_usage),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", **ticket.headers},
+                ),
+                tenant.name,
+                tier,
             )
+        completion = 0
         try:
             text, final = await self._collect(request, request_id, queue)
+            completion = final.completion_tokens
         except ApiError as error:
-            return error_response(error)
+            return self._counted(error_response(error), tenant.name, tier)
+        finally:
+            self.door.close(ticket, completion)
+        answer = self._final(request_id, chat, created, text, final, caller)
+        answer.headers.update(ticket.headers)
+        return self._counted(answer, tenant.name, tier)
+
+    def _final(
+        self, request_id: str, chat: bool, created: int, text: str, final: RequestOutput, caller: Caller
+    ) -> Response:
         if final.finish_reason == "timeout":
-            timeout = ApiError(504, f"request timed out after {self.info.request_timeout} s", kind="timeout")
-            return error_response(timeout)
+            return error_response(
+                ApiError(504, f"request timed out after {self.info.request_timeout} s", kind="timeout")
+            )
         if final.finish_reason == "error":
             failed = ApiError(
                 500, "the model step failed; see the server log", kind="server_error", code="engine_error"
             )
             return error_response(failed)
-        return JSONResponse(render.response(request_id, chat, created, self.info.name, text, final))
+        body = render.response(request_id, chat, created, self.info.name, text, final, caller.service_tier)
+        return JSONResponse(body)
 
-    async def _read(
-        self, request: Request, chat: bool
-    ) -> tuple[GenerationRequest, list[int], SamplingParams]:
-        """Body -> validated request -> token ids (on the tokenizer thread) -> sampling parameters."""
-        body = parse_json(await request.body())
+    def _counted(self, response: Response, tenant: str, tier: str) -> Response:
+        self.engine.metrics.tenant_requests.labels(tenant, tier, str(response.status_code)).inc()
+        return response
+
+    def _parse(self, body: dict[str, Any], chat: bool) -> GenerationRequest:
         check_model(body, self.info.name, self.info.version)
         parsed = parse_request(body, chat)
-        del body
         check_text_size(parsed, self.max_chars, self.engine.max_model_len)
+        return parsed
+
+    async def _prompt(
+        self, parsed: GenerationRequest, caller: Caller
+    ) -> tuple[list[int], SamplingParams, tuple[str, int] | None]:
+        """Token ids (on the tokenizer thread), sampling parameters within the caller's limits, and the shared
+        prefix the prompt starts with, if its tenant shares one."""
         loop = asyncio.get_running_loop()
-        tokenizer = self.engine.tokenizer
-        ids = await loop.run_in_executor(
-            self.tokenizing, prompt_ids, parsed, tokenizer, self.engine.vocab_size
-        )
-        return parsed, ids, sampling_params(parsed, len(ids), self.engine.max_model_len)
+        engine = self.engine
+
+        def tokenize() -> tuple[list[int], tuple[str, int] | None]:
+            ids = prompt_ids(parsed, engine.tokenizer, engine.vocab_size)
+            return ids, shared_tokens(parsed, ids, caller.shared_prefixes, engine.tokenizer)
+
+        ids, shared = await loop.run_in_executor(self.tokenizing, tokenize)
+        return ids, limited_params(parsed, len(ids), engine.max_model_len, caller), shared
 
     def _submit(
-        self, request_id: str, ids: list[int], params: SamplingParams, parsed: GenerationRequest
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        parsed: GenerationRequest,
+        caller: Caller,
+        shared: tuple[str, int] | None,
     ) -> asyncio.Queue[RequestOutput]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -225,8 +272,8 @@ class Generation:
                 priority=parsed.priority,
                 timeout=self.info.request_timeout,
                 cache_salt=(parsed.cache_salt or "").encode(),
-                user=parsed.user,
-                session_id=parsed.session_id,
+                owner=owner_of(caller, parsed),
+                shared=shared,
             )
         return queue
 
@@ -254,11 +301,15 @@ class Generation:
             gone.cancel()
 
     def _events(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput], chunks: render.Chunks, include_usage: bool
+        self, ticket: Ticket, queue: asyncio.Queue[RequestOutput], chunks: render.Chunks, include_usage: bool
     ) -> AsyncIterator[str]:
+        completion = 0
+
         async def pieces() -> AsyncIterator[Piece]:
+            nonlocal completion
             while True:
                 output = await queue.get()
+                completion = output.completion_tokens
                 if not output.finished:
                     yield Piece(output.text)
                     continue
@@ -266,9 +317,16 @@ class Generation:
                 return
 
         async def abandon() -> None:
-            self.engine.abort(request_id)
+            self.engine.abort(ticket.request_id)
 
-        return sse_events(pieces(), chunks, include_usage, abandon)
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for event in sse_events(pieces(), chunks, include_usage, abandon):
+                    yield event
+            finally:
+                self.door.close(ticket, completion)
+
+        return events()
 
 
 def create_app(engine: Engine, info: ServerInfo) -> FastAPI:
@@ -325,17 +383,14 @@ def create_app(engine: Engine, info: ServerInfo) -> FastAPI:
         }
 
     @app.delete("/v1/sessions/{session_id}")
-    async def delete_session(session_id: str, user: str | None = None) -> Response:
-        """A privacy request: the session's stored KV leaves every tier (and the pool's prefix cache)."""
-        blocks = engine.forget_sessions(user, session_id)
-        return JSONResponse({"object": "session.deleted", "id": session_id, "user": user, "blocks": blocks})
+    async def delete_session(request: Request, session_id: str, user: str | None = None) -> Response:
+        """A privacy request: the session's stored KV leaves every tier (and the pool's prefix cache). Only the
+        caller's tenant's sessions are seen: another tenant's session is a 404, like one that never existed."""
+        return _forget(engine, request.state.tenant, user, session_id)
 
     @app.delete("/v1/sessions")
-    async def delete_user_sessions(user: str | None = None) -> Response:
-        if not user:
-            return error_response(ApiError(400, "name the user whose sessions to delete: ?user=NAME", "user"))
-        blocks = engine.forget_sessions(user, None)
-        return JSONResponse({"object": "sessions.deleted", "user": user, "blocks": blocks})
+    async def delete_user_sessions(request: Request, user: str | None = None) -> Response:
+        return _forget(engine, request.state.tenant, user, None)
 
     @app.get("/health")
     async def health() -> Response:
@@ -349,6 +404,30 @@ def create_app(engine: Engine, info: ServerInfo) -> FastAPI:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _forget(engine: Engine, tenant: Tenant, user: str | None, session_id: str | None) -> Response:
+    try:
+        user, session_id = session_label(user, session_id)
+    except ApiError as error:
+        return error_response(error)
+    blocks = engine.forget_sessions(tenant.name, user, session_id)
+    if blocks is None:
+        return error_response(session_not_found(user, session_id))
+    if session_id is None:
+        return JSONResponse({"object": "sessions.deleted", "user": user, "blocks": blocks})
+    return JSONResponse({"object": "session.deleted", "id": session_id, "user": user, "blocks": blocks})
+
+
+def session_not_found(user: str | None, session_id: str | None) -> ApiError:
+    """The 404 of a deletion that found nothing: the same words whether the session never existed or is another
+    tenant's."""
+    what = (
+        "session"
+        + (f" {session_id!r}" if session_id is not None else "s")
+        + (f" of user {user!r}" if user else "")
+    )
+    return ApiError(404, f"no stored {what} for this API key", "session_id", "session_not_found")
 
 
 async def _internal_error(_request: Request, error: Exception) -> Response:

@@ -46,7 +46,7 @@ class TierAdapter:
         if not self.worth_loading():
             self.skipped += 1
             return []
-        self.tiers.touch(request.session)
+        self.tiers.touch(request.session, request.owner.session_ttl)
         started = time.perf_counter()
         blocks = self.tiers.fetch(keys, limit=self.pool.num_free)
         if not blocks:
@@ -59,10 +59,14 @@ class TierAdapter:
         return ids
 
     def on_register(self, request: Request, block_id: int, key: PrefixKey) -> None:
-        self.tiers.offer(key, self.runner.read_block(block_id).cpu(), request.session)  # host copy on CUDA
+        block = self.runner.read_block(block_id).cpu()  # a host copy on CUDA
+        self.tiers.offer(key, block, request.session, request.owner.session_ttl)
 
-    def forget(self, user: str | None, session_id: str | None) -> int:
-        """Remove a session's (or user's) blocks from every tier, the pool's prefix cache included."""
-        keys = self.tiers.forget(user, session_id)
+    def forget(self, tenant: str, user: str | None, session_id: str | None) -> int | None:
+        """Remove a tenant's session's (or user's) blocks from every tier, the pool's prefix cache included; None
+        when the tenant has no such session."""
+        keys = self.tiers.forget(tenant, user, session_id)
+        if keys is None:
+            return None
         self.pool.forget(keys)
         return len(keys)

@@ -15,10 +15,12 @@ Keys are the pool's own sha256 chain keys, whose root digests the artifact's con
 block size and the tenant's salt: a new artifact version never reads an old version's blocks, a restarted
 server with the same artifact reads all of them, and tenants with different salts never share one.
 
-Sessions: a request may name its `user` and a `session_id`; the blocks it registers are recorded under them
-(blocks, bytes, last use). Deleting a session removes its blocks from every tier, except blocks another session
-also holds (a shared system prompt); deleting a user removes all of theirs. `session_ttl` expires idle sessions
-the same way. The session index is kept beside T2's files, so a restarted server can still honour deletions.
+Sessions: a request may name its `user` and a `session_id`, names inside its tenant (the API key's): the blocks
+it registers are recorded under (tenant, user, session) (blocks, bytes, last use). Deleting a session removes its
+blocks from every tier, except blocks another session also holds (a shared system prompt); deleting a user removes
+all of theirs; a deletion only ever sees the caller's tenant's sessions. `session_ttl` (or the tenant's own) expires
+idle sessions the same way. The session index is kept beside T2's files, so a restarted server can still honour
+deletions.
 """
 
 from __future__ import annotations
@@ -35,18 +37,20 @@ from typing import Any
 
 import torch
 
+from serve.request import SessionName
 from serve.tiers.codec import BlockLayout, CorruptBlock, decode, encode
 from serve.tiers.stores import DiskStore, HostStore
 
 _log = logging.getLogger("qpack.serve.tiers")
 SESSIONS_FILE = "sessions.json"
+_UNSCOPED = "default"  # the tenant of sessions an index of format 1 (before tenants) recorded
 
 
 @dataclass
 class Session:
-    user: str
     keys: dict[bytes, int] = field(default_factory=dict)  # key -> encoded bytes, in order of writing
     last_use: float = field(default_factory=time.time)
+    ttl: float | None = None  # its tenant's session TTL, when that sets one
 
     @property
     def bytes(self) -> int:
@@ -62,6 +66,9 @@ class TierStats:
     dropped: int = 0
     load_seconds: float = 0.0
     loaded_blocks: int = 0
+
+
+_Write = tuple[bytes, torch.Tensor, SessionName | None, float | None]  # key, block copy, session, its TTL
 
 
 class TieredKV:
@@ -82,13 +89,11 @@ class TieredKV:
         self.session_ttl = session_ttl
         self.stats = TierStats()
         self.on_event = on_event or (lambda _event, _tier, _value: None)
-        self.sessions: dict[tuple[str, str], Session] = {}
+        self.sessions: dict[SessionName, Session] = {}
         self._lock = threading.Lock()
         if queue_bytes is not None:
             queue_size = max(2, min(queue_size, queue_bytes // layout.raw_bytes))
-        self._queue: queue.Queue[tuple[bytes, torch.Tensor, tuple[str, str] | None] | None] = queue.Queue(
-            queue_size
-        )
+        self._queue: queue.Queue[_Write | None] = queue.Queue(queue_size)
         self._load_sessions()
         self._thread = threading.Thread(target=self._run, name="qpack-kv-writer", daemon=True)
         self._thread.start()
@@ -100,11 +105,13 @@ class TieredKV:
         """Blocks the write-through queue holds before it drops."""
         return self._queue.maxsize
 
-    def offer(self, key: bytes, block: torch.Tensor, session: tuple[str, str] | None) -> bool:
+    def offer(
+        self, key: bytes, block: torch.Tensor, session: SessionName | None, ttl: float | None = None
+    ) -> bool:
         """Queue a copy of a registered block for T1/T2 without waiting; False (counted) when the queue is
         full. `block` must already be a copy: the pool reuses its slots."""
         try:
-            self._queue.put_nowait((key, block, session))
+            self._queue.put_nowait((key, block, session, ttl))
         except queue.Full:
             self.stats.dropped += 1
             self.on_event("dropped", "", 1)
@@ -151,22 +158,30 @@ class TieredKV:
             return block
         return None
 
-    def touch(self, session: tuple[str, str] | None) -> None:
+    def touch(self, session: SessionName | None, ttl: float | None = None) -> None:
         if session is not None:
             with self._lock:
-                self.sessions.setdefault(session, Session(session[0])).last_use = time.time()
+                entry = self.sessions.setdefault(session, Session(ttl=ttl))
+                entry.last_use, entry.ttl = time.time(), ttl
 
     # ------------------------------------------------------------------ deletion (any thread)
 
-    def forget(self, user: str | None = None, session_id: str | None = None) -> list[bytes]:
-        """Remove a session's (or a user's) blocks from T1 and T2; returns the keys removed. Blocks another
-        remaining session also holds are kept (and not returned)."""
+    def forget(
+        self, tenant: str, user: str | None = None, session_id: str | None = None
+    ) -> list[bytes] | None:
+        """Remove a session's (or a user's) blocks from T1 and T2, only ever among `tenant`'s sessions; returns the
+        keys removed, or None when the tenant has no such session (another tenant's is no different). Blocks
+        another remaining session also holds are kept (and not returned)."""
         with self._lock:
             doomed = [
                 name
                 for name in self.sessions
-                if (user is None or name[0] == user) and (session_id is None or name[1] == session_id)
+                if name[0] == tenant
+                and (user is None or name[1] == user)
+                and (session_id is None or name[2] == session_id)
             ]
+            if not doomed:
+                return None
             keys: dict[bytes, None] = {}
             for name in doomed:
                 keys.update(dict.fromkeys(self.sessions.pop(name).keys))
@@ -202,7 +217,7 @@ class TieredKV:
             finally:
                 self._queue.task_done()
 
-    def _write(self, key: bytes, block: torch.Tensor, session: tuple[str, str] | None) -> None:
+    def _write(self, key: bytes, block: torch.Tensor, session: SessionName | None, ttl: float | None) -> None:
         data = encode(self.layout, key, block, self.codec)
         for store in (self.host, self.disk):
             if store is not None and store.put(key, data):
@@ -210,19 +225,21 @@ class TieredKV:
         self.stats.written += 1
         if session is not None:
             with self._lock:
-                entry = self.sessions.setdefault(session, Session(session[0]))
+                entry = self.sessions.setdefault(session, Session(ttl=ttl))
                 entry.keys[key] = len(data)
-                entry.last_use = time.time()
+                entry.last_use, entry.ttl = time.time(), ttl
 
     def expire(self, now: float | None = None) -> int:
-        """Forget sessions idle for longer than `session_ttl`; returns how many."""
-        if self.session_ttl is None:
-            return 0
+        """Forget sessions idle for longer than their tenant's TTL, else `session_ttl`; returns how many."""
         now = time.time() if now is None else now
         with self._lock:
-            idle = [name for name, s in self.sessions.items() if now - s.last_use > self.session_ttl]
-        for user, session_id in idle:
-            self.forget(user, session_id)
+            idle = [
+                name
+                for name, s in self.sessions.items()
+                if (ttl := s.ttl or self.session_ttl) is not None and now - s.last_use > ttl
+            ]
+        for tenant, user, session_id in idle:
+            self.forget(tenant, user, session_id)
         return len(idle)
 
     def flush(self) -> None:
@@ -246,15 +263,17 @@ class TieredKV:
             return
         with self._lock:
             data: dict[str, Any] = {
-                "format": 1,
+                "format": 2,
                 "sessions": [
                     {
+                        "tenant": t,
                         "user": u,
                         "session": s,
                         "last_use": v.last_use,
+                        "ttl": v.ttl,
                         "keys": {k.hex(): n for k, n in v.keys.items()},
                     }
-                    for (u, s), v in self.sessions.items()
+                    for (t, u, s), v in self.sessions.items()
                 ],
             }
         tmp = path.with_suffix(".tmp")
@@ -272,8 +291,10 @@ class TieredKV:
             data = json.loads(path.read_text())
             for item in data["sessions"]:
                 keys = {bytes.fromhex(k): int(n) for k, n in item["keys"].items()}
-                self.sessions[(item["user"], item["session"])] = Session(
-                    item["user"], keys, float(item["last_use"])
+                ttl = item.get("ttl")
+                name = (str(item.get("tenant", _UNSCOPED)), str(item["user"]), str(item["session"]))
+                self.sessions[name] = Session(
+                    keys, float(item["last_use"]), None if ttl is None else float(ttl)
                 )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             _log.warning("KV session index %s unreadable (%s); starting without it", path, exc)

@@ -14,6 +14,7 @@ from quantize.model.sources import load_model, load_tokenizer, resolve_model
 from serve.engine import Engine, EngineConfig
 from serve.http import BackgroundServer
 from serve.openai import ServerInfo
+from serve.tenancy.tenants import TenantsSource
 
 
 def make_engine(model_dir: Path, **kwargs) -> Engine:
@@ -189,7 +190,8 @@ def test_client_disconnect_aborts_and_frees_blocks(server) -> None:
 
 def test_api_key_queue_bound_and_timeout(tiny_llama: Path) -> None:
     engine = make_engine(tiny_llama, max_num_seqs=1, max_queue=1)
-    info = ServerInfo(name="tiny", version="1", api_keys=("sekret", "other"), request_timeout=1.0)
+    tenants = TenantsSource(api_keys=("sekret", "other"))
+    info = ServerInfo(name="tiny", version="1", tenants=tenants, request_timeout=1.0)
     with BackgroundServer(engine, info) as url:
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
         assert (

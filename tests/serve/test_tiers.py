@@ -15,7 +15,7 @@ import torch
 from quantize.model.sources import load_model, load_tokenizer, resolve_model
 from serve.block_pool import chain_root, prefix_keys
 from serve.engine import Engine, EngineConfig, write_queue_bytes
-from serve.request import SamplingParams
+from serve.request import Owner, SamplingParams
 from serve.tiers.codec import BlockLayout, CorruptBlock, _shuffle, _unshuffle, decode, encode, intact
 from serve.tiers.stores import DiskStore, HostStore
 from serve.tiers.tiered import TieredKV
@@ -171,7 +171,8 @@ def _generate(
 ) -> tuple[list[int], int]:
     out: queue.Queue = queue.Queue()
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    engine.add(request, prompt, params, out.put, user="alice" if session else None, session_id=session)
+    owner = Owner(user="alice", session_id=session) if session else Owner()
+    engine.add(request, prompt, params, out.put, owner=owner)
     while engine.has_work():
         engine.step()
     ids, cached = [], 0
@@ -194,7 +195,7 @@ def test_a_returning_conversation_loads_from_host_memory_and_matches_recompute(t
     engine.tiers.tiers.flush()
     for index in range(3):  # other conversations push turn 1's blocks out of the pool
         _generate(engine, [2, *range(100 + 20 * index, 136 + 20 * index)], f"other-{index}")
-    assert not engine.pool.lookup(prefix_keys(HISTORY, 4, chain_root(engine.namespace)))  # evicted from T0
+    assert not engine.pool.lookup(prefix_keys(HISTORY, 4, chain_root(engine.prefix_salt(Owner()))))  # evicted
     again, cached = _generate(engine, HISTORY, "turn-2", "s1")
     assert again == expected  # token-identical to recomputing
     assert cached >= 32 and engine.tiers.tiers.stats.hits["host"] >= 8
@@ -239,7 +240,8 @@ def test_deleting_a_session_removes_its_blocks_from_every_tier(tiny_llama: Path,
     engine.tiers.tiers.flush()
     stored = len(engine.tiers.tiers.host or [])
     assert stored >= 8 and len(list((tmp_path / "t2").glob("??/*.kv"))) >= 8
-    removed = engine.forget_sessions("alice", "s1")
+    assert engine.forget_sessions("other-tenant", "alice", "s1") is None  # not its session
+    removed = engine.forget_sessions("default", "alice", "s1")
     assert removed == stored and len(engine.tiers.tiers.host or []) == 0
     assert not list((tmp_path / "t2").glob("??/*.kv"))
     _ids, cached = _generate(engine, HISTORY, "b")
@@ -259,11 +261,12 @@ def test_the_api_records_sessions_and_deletes_them(tiny_llama: Path, tmp_path: P
     with BackgroundServer(engine, ServerInfo(name="tiny", version="1")) as url:
         assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
         engine.tiers.tiers.flush()
-        assert ("alice", "chat-7") in engine.tiers.tiers.sessions
+        assert ("default", "alice", "chat-7") in engine.tiers.tiers.sessions
         bad = httpx.post(f"{url}/v1/completions", json={**body, "session_id": ""})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "session_id"
         deleted = httpx.delete(f"{url}/v1/sessions/chat-7", params={"user": "alice"}).json()
-        assert deleted["blocks"] > 0 and ("alice", "chat-7") not in engine.tiers.tiers.sessions
+        assert deleted["blocks"] > 0 and ("default", "alice", "chat-7") not in engine.tiers.tiers.sessions
         assert httpx.delete(f"{url}/v1/sessions").status_code == 400
-        assert httpx.delete(f"{url}/v1/sessions", params={"user": "alice"}).json()["blocks"] == 0
+        gone = httpx.delete(f"{url}/v1/sessions", params={"user": "alice"})
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
     assert not list((tmp_path / "t2").glob("??/*.kv"))
