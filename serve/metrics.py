@@ -50,6 +50,31 @@ class Metrics:
             "qpack_preemptions", "Sequences preempted for lack of KV blocks", registry=r
         )
         self.steps = Counter("qpack_engine_steps", "Engine steps", registry=r)
+        self.tier_hits = Counter("qpack_kv_tier_hits", "Blocks found in a tier", ["tier"], registry=r)
+        self.tier_misses = Counter("qpack_kv_tier_misses", "Tier lookups that found nothing", registry=r)
+        self.tier_written = Counter(
+            "qpack_kv_tier_written", "Blocks written through to a tier", ["tier"], registry=r
+        )
+        self.tier_dropped = Counter(
+            "qpack_kv_tier_dropped_writes", "Write-throughs dropped because the queue was full", registry=r
+        )
+        self.tier_corrupt = Counter(
+            "qpack_kv_tier_corrupt_blocks",
+            "Stored blocks refused (damaged, truncated, foreign)",
+            ["tier"],
+            registry=r,
+        )
+        self.tier_load = Histogram(
+            "qpack_kv_tier_load_seconds",
+            "Time to load one lookup's blocks from the tiers",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+
+        self._add_tenants(r)
+
+    def _add_tenants(self, r: CollectorRegistry) -> None:
+        """Per tenant and tier (names from the tenants file, never key material)."""
         self.tenant_tokens = Counter(
             "qpack_tenant_tokens", "Tokens per tenant and tier", ["tenant", "tier", "kind"], registry=r
         )
@@ -74,26 +99,6 @@ class Metrics:
         )
         self.tenants_reloads = Counter(
             "qpack_tenants_reloads", "Tenants file reloads (SIGHUP) by outcome", ["outcome"], registry=r
-        )
-        self.tier_hits = Counter("qpack_kv_tier_hits", "Blocks found in a tier", ["tier"], registry=r)
-        self.tier_misses = Counter("qpack_kv_tier_misses", "Tier lookups that found nothing", registry=r)
-        self.tier_written = Counter(
-            "qpack_kv_tier_written", "Blocks written through to a tier", ["tier"], registry=r
-        )
-        self.tier_dropped = Counter(
-            "qpack_kv_tier_dropped_writes", "Write-throughs dropped because the queue was full", registry=r
-        )
-        self.tier_corrupt = Counter(
-            "qpack_kv_tier_corrupt_blocks",
-            "Stored blocks refused (damaged, truncated, foreign)",
-            ["tier"],
-            registry=r,
-        )
-        self.tier_load = Histogram(
-            "qpack_kv_tier_load_seconds",
-            "Time to load one lookup's blocks from the tiers",
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
         )
 
     def tier_event(self, event: str, tier: str, value: float) -> None:

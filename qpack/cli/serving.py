@@ -57,5 +57,9 @@ def serve(ctx: typer.Context, **values: Any) -> None:
 
     out = output(ctx)
     options = run(out, lambda: SERVE.config(values))
-    log = (lambda _m: None) if out.quiet else (lambda m: out.stderr.print(m, highlight=False, markup=False))
+    log = (
+        (lambda _m: None)
+        if out.quiet
+        else (lambda m: out.stderr.print(m, highlight=False, markup=False, soft_wrap=True))
+    )
     run(out, lambda: SERVE.translated(lambda: run_server(options, log, lambda m: out.warn(SERVE.mention(m)))))

@@ -299,7 +299,9 @@ def _decode(text: str, source: str, json_format: bool) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise TenantsError(f"tenants file {source}: line {exc.lineno}: {exc.msg}; fix the JSON") from None
     except tomllib.TOMLDecodeError as exc:
-        raise TenantsError(f"tenants file {source}: {exc}; fix the TOML") from None
+        where = f"at line {max(1, len(text.splitlines()))}, the end of the file"
+        message = str(exc).replace("at end of document", where)
+        raise TenantsError(f"tenants file {source}: {message}; fix the TOML") from None
     if not isinstance(data, dict):
         raise TenantsError(f"tenants file {source}: line 1: must hold an object of sections; fix the file")
     return data
@@ -507,7 +509,7 @@ class TenantsSource:
                 fresh = load_tenants(self.path, self.api_keys)
             except TenantsError as exc:
                 self.reloads["failed"] += 1
-                return False, f"tenants not reloaded; the {len(self.current.tenants)} in force stay: {exc}"
+                return False, f"tenants not reloaded (the {len(self.current.tenants)} in force stay): {exc}"
             self.current = fresh
             self.reloads["ok"] += 1
         return (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from serve.block_pool import BlockPool
-from serve.request import Request, SamplingParams, Status
+from serve.request import Owner, Request, SamplingParams, Status
 from serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -16,9 +16,19 @@ def make(num_blocks: int = 20, **kwargs) -> Scheduler:
     return Scheduler(config, BlockPool(num_blocks))
 
 
-def request(name: str, length: int, priority: int = 0, max_tokens: int = 4) -> Request:
+TIERS = {"priority": 0, "standard": 1, "free": 2}
+
+
+def request(
+    name: str, length: int, priority: int = 0, max_tokens: int = 4, tier: str = "standard"
+) -> Request:
+    owner = Owner(tenant=f"t-{tier}", tier=tier, tier_rank=TIERS[tier])
     return Request(
-        name, list(range(100, 100 + length)), GREEDY.replace(max_tokens=max_tokens), priority=priority
+        name,
+        list(range(100, 100 + length)),
+        GREEDY.replace(max_tokens=max_tokens),
+        priority=priority,
+        owner=owner,
     )
 
 
@@ -132,3 +142,64 @@ def test_kv_waste_counts_only_the_last_partial_block() -> None:
     mock_step(s)
     allocated, unused = s.kv_waste()
     assert allocated == 12 and unused == 2  # 10 tokens (9 prompt + 1 sampled) in 3 blocks of 4
+
+
+def finish_order(s: Scheduler, steps: int = 40) -> list[str]:
+    order: list[str] = []
+    for _ in range(steps):
+        out = mock_step(s)
+        order += [i.request.request_id for i in out.scheduled if i.request.finished]
+    return order
+
+
+def test_tier_comes_before_the_bodys_priority() -> None:
+    """A free tenant sending priority -1000000 still waits behind every higher tier; priority orders it only among
+    requests of its own tier."""
+    s = make(max_num_seqs=1)
+    s.add(request("free-pushy", 2, priority=-1_000_000, max_tokens=1, tier="free"))
+    s.add(request("free-plain", 2, priority=0, max_tokens=1, tier="free"))
+    s.add(request("standard", 2, priority=5, max_tokens=1, tier="standard"))
+    s.add(request("priority", 2, priority=9, max_tokens=1, tier="priority"))
+    assert finish_order(s) == ["priority", "standard", "free-pushy", "free-plain"]
+
+
+def test_preemption_takes_the_lowest_tier_first_even_if_it_is_older() -> None:
+    s = make(num_blocks=6, max_num_batched_tokens=64)
+    old_free = request("old-free", 8, max_tokens=12, tier="free")
+    new_priority = request("new-priority", 8, max_tokens=12, tier="priority")
+    s.add(old_free)
+    mock_step(s)
+    s.add(new_priority)
+    preempted = []
+    for _ in range(40):
+        out = mock_step(s)
+        preempted += [p.request_id for p in out.preempted]
+        if not s.has_work():
+            break
+    assert preempted and set(preempted) == {"old-free"}
+    assert new_priority.num_preemptions == 0 and old_free.finished and new_priority.finished
+
+
+def test_a_higher_tier_takes_a_lower_tiers_seat_and_never_the_reverse() -> None:
+    s = make(max_num_seqs=2, max_num_batched_tokens=64)
+    free = [request(f"free-{i}", 3, max_tokens=20, tier="free") for i in range(2)]
+    for r in free:
+        s.add(r)
+    mock_step(s)
+    assert {r.request_id for r in s.running} == {"free-0", "free-1"}
+    urgent = request("urgent", 3, max_tokens=2, tier="priority")
+    s.add(urgent)
+    out = mock_step(s)
+    assert [p.request_id for p in out.preempted] == ["free-1"]  # the newest of the lowest tier
+    assert urgent in s.running and free[0] in s.running
+    late_free = request("late-free", 3, max_tokens=2, tier="free")
+    s.add(late_free)
+    out = mock_step(s)
+    assert not out.preempted and late_free not in s.running  # same tier: it waits its turn
+    standard = request("standard", 3, max_tokens=2, tier="standard")
+    s.add(standard)
+    assert not [p for p in mock_step(s).preempted if p.tier_rank < standard.tier_rank]
+    while s.has_work():
+        out = mock_step(s)
+        assert not [p for p in out.preempted if p.tier_rank < 2]  # only free requests ever give way
+    assert all(r.finished for r in (*free, urgent, late_free, standard)) and s.pool.num_free == 20
