@@ -32,6 +32,11 @@ def run_server(
         if not tenants.current.open:
             names = ", ".join(f"{t.name} ({t.tier.name})" for t in tenants.current.tenants)
             log(f"API keys required: tenants {names}")
+        if len(options.keys()) > 1:
+            warn(
+                f"the {len(options.keys())} `api_keys` are one tenant (`default`): they share cached prefixes, "
+                "sessions and limits; give each its own tenant in `tenants_file` to keep them apart"
+            )
     if options.role == "worker":
         run_worker(options, log)
         return

@@ -27,7 +27,7 @@ SERVE = Options(
         "request_timeout",
         Option("api_keys", ("--api-key",), envvar="QPACK_API_KEY"),
         "api_key_file",
-        "tenants_file",
+        Option("tenants_file", ("--tenants",)),
         "max_request_bytes",
         "dtype",
         Option("prefix_caching", ("--prefix-caching/--no-prefix-caching",)),

@@ -71,6 +71,9 @@ def run_worker(options: ServeOptions, log: Callable[[str], None]) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_args: stop.set())
+    signal.signal(  # a reload sent to every `qpack serve` process must not end the workers
+        signal.SIGHUP, lambda *_args: log("fleet worker: nothing to reload (tenants are the gateway's)")
+    )
     log(f"qpack fleet worker {config.worker_id}: {loaded.name} v{loaded.version} (queue: {url})")
     with BackgroundServer(worker_app(worker), port=options.port, host=options.host):
         worker.run(stop)

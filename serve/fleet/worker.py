@@ -372,10 +372,11 @@ class FleetWorker:
         return verdict.headers
 
     def _give_back(self, item: _InFlight) -> None:
-        """Return a reservation the engine refused (the pipeline of a finished answer returns the others)."""
+        """Return the whole reservation of a request the engine refused (it never ran; the pipeline of a
+        finished answer returns what the others did not use)."""
         if item.caller is not None and item.reserved:
             pipe = self.redis.pipeline(transaction=False)
-            self.tokens.refund(pipe, item.caller, item.reserved - item.prompt_tokens)
+            self.tokens.refund(pipe, item.caller, item.reserved)
             pipe.execute()
             item.reserved = 0
 

@@ -182,7 +182,7 @@ class Generation:
             queue = self._submit(request_id, ids, params, parsed, caller, shared)
         except ApiError as error:
             if ticket is not None:
-                self.door.close(ticket, 0)
+                self.door.close(ticket, 0, ran=False)
             return self._counted(error_response(error), tenant.name, tier)
         created = int(time.time())
         if parsed.stream:

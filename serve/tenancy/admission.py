@@ -97,15 +97,17 @@ class Door:
         )
         ticket.headers.update(verdict.headers)
 
-    def close(self, ticket: Ticket, completion_tokens: int) -> None:
-        """The request is over, however it ended: its slot back, and the tokens it reserved and did not use."""
+    def close(self, ticket: Ticket, completion_tokens: int, ran: bool = True) -> None:
+        """The request is over, however it ended: its slot back, and the tokens it reserved and did not use (all
+        of them when it never `ran`: refused before the engine took it)."""
         with self._lock:
             if ticket.closed:
                 return
             ticket.closed = True
         self.limiter.release(ticket.tenant.name, ticket.request_id)
+        used = ticket.prompt_tokens + completion_tokens if ran else 0
         if ticket.reserved:
-            self.limiter.refund(ticket.caller, ticket.reserved - ticket.prompt_tokens - completion_tokens)
+            self.limiter.refund(ticket.caller, ticket.reserved - used)
 
     def _refused(self, verdict: Verdict, caller: Caller, requested: int = 0) -> ApiError:
         self.metrics.tenant_rate_limited.labels(caller.tenant, caller.tier, verdict.limit or "").inc()

@@ -111,7 +111,7 @@ def test_sighup_reloads_tenants_and_a_broken_file_keeps_the_old_ones(
 ) -> None:
     tenants = tmp_path / "tenants.toml"
     tenants.write_text('[tenants.acme]\nkeys = ["key-a"]\ntier = "priority"\n')
-    proc, url = _start([str(tiny_llama), "--tenants-file", str(tenants), "--block-size", "4"])
+    proc, url = _start([str(tiny_llama), "--tenants", str(tenants), "--block-size", "4"])
     a, c = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-c"}
     body = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
     try:
@@ -158,7 +158,7 @@ def test_a_malformed_tenants_file_is_refused_at_start_naming_the_line(
     tenants = tmp_path / "tenants.toml"
     tenants.write_text('[tenants.acme]\nkeys = ["key-a"]\nrequests_per_minute = "lots"\n')
     run = subprocess.run(
-        [sys.executable, "-m", "qpack", "serve", str(tiny_llama), "--tenants-file", str(tenants)],
+        [sys.executable, "-m", "qpack", "serve", str(tiny_llama), "--tenants", str(tenants)],
         capture_output=True,
         text=True,
         timeout=120,

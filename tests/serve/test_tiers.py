@@ -270,3 +270,22 @@ def test_the_api_records_sessions_and_deletes_them(tiny_llama: Path, tmp_path: P
         gone = httpx.delete(f"{url}/v1/sessions", params={"user": "alice"})
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
     assert not list((tmp_path / "t2").glob("??/*.kv"))
+
+
+def test_sessions_are_per_tenant_and_expire_by_their_tenants_ttl(tmp_path: Path) -> None:
+    """Two tenants may both have a user `alice` with a session `s1`: they are two sessions, deleted and expired
+    apart, each by its own tenant's TTL (else the server's), and the index on disk keeps them apart too."""
+    tiers = TieredKV(LAYOUT, HostStore(10**6), DiskStore(tmp_path / "t2", 10**6), session_ttl=100.0)
+    tiers.offer(b"a" * 32, _block(1), ("acme", "alice", "s1"), 10.0)
+    tiers.offer(b"b" * 32, _block(2), ("globex", "alice", "s1"), None)
+    tiers.flush()
+    assert tiers.forget("initech", "alice", "s1") is None  # no such session in that tenant
+    now = time.time()
+    assert tiers.expire(now + 5) == 0
+    assert tiers.expire(now + 50) == 1  # acme's 10 s TTL, not the server's 100 s
+    assert set(tiers.sessions) == {("globex", "alice", "s1")} and tiers.host.get(b"a" * 32) is None  # type: ignore[union-attr]
+    tiers.close()
+    reopened = TieredKV(LAYOUT, None, DiskStore(tmp_path / "t2", 10**6))
+    assert set(reopened.sessions) == {("globex", "alice", "s1")}
+    assert reopened.forget("globex", "alice", None) == [b"b" * 32]
+    reopened.close()
