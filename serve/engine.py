@@ -297,7 +297,7 @@ class Engine:
             self.streams[request_id] = stream
             self._callbacks[request_id] = callback
             self.metrics.prompt_tokens.inc(len(prompt_ids))
-            self.metrics.tenant_tokens.labels(owner.tenant, owner.tier, "prompt").inc(len(prompt_ids))
+            self.metrics.tenants.tokens.labels(owner.tenant, owner.tier, "prompt").inc(len(prompt_ids))
             self._wake.notify()
 
     def prefix_salt(self, owner: Owner, cache_salt: bytes = b"") -> bytes:
@@ -338,7 +338,9 @@ class Engine:
     def _count_finished(self, request: Request, reason: str) -> None:
         owner = request.owner
         self.metrics.requests.labels(finish_reason=reason).inc()
-        self.metrics.tenant_tokens.labels(owner.tenant, owner.tier, "completion").inc(len(request.output_ids))
+        self.metrics.tenants.tokens.labels(owner.tenant, owner.tier, "completion").inc(
+            len(request.output_ids)
+        )
 
     def _expire(self) -> list[RequestOutput]:
         now = time.monotonic()
@@ -469,7 +471,9 @@ class Engine:
             if request.admitted_time is None:
                 request.admitted_time = now
                 owner = request.owner
-                self.metrics.tenant_queue.labels(owner.tenant, owner.tier).observe(now - request.arrival_time)
+                self.metrics.tenants.queue.labels(owner.tenant, owner.tier).observe(
+                    now - request.arrival_time
+                )
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

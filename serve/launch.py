@@ -61,7 +61,5 @@ def _run_single(options: ServeOptions, tenants: TenantsSource, log: Callable[[st
         options.max_request_bytes,
         engine.numerics(),
     )
-    tenants.reload_on_sighup(
-        log, lambda ok: engine.metrics.tenants_reloads.labels("ok" if ok else "failed").inc()
-    )
+    tenants.reload_on_sighup(log, engine.metrics.tenants.reloaded)
     serve_forever(engine, info, options.host, options.port)

@@ -8,6 +8,43 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 
+class TenantMetrics:
+    """Per tenant and tier, in a server's registry or a fleet gateway's (`prefix`): requests by HTTP status,
+    refusals by the limit that refused, tokens, queue time (`queue_help` says from when to when), and reloads
+    of the tenants file. Labels are tenant and tier names from that file, never key material."""
+
+    def __init__(self, r: CollectorRegistry, prefix: str, queue_help: str) -> None:
+        per = ["tenant", "tier"]
+        self.requests = Counter(
+            f"{prefix}_tenant_requests",
+            "Requests answered, per tenant, tier and HTTP status",
+            [*per, "status"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            f"{prefix}_tenant_rate_limited",
+            "Requests refused by a tenant's limit (429), per limit: requests, tokens, concurrency",
+            [*per, "limit"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            f"{prefix}_tenant_tokens", "Tokens per tenant and tier", [*per, "kind"], registry=r
+        )
+        self.queue = Histogram(
+            f"{prefix}_tenant_queue_seconds",
+            f"{queue_help}, per tenant and tier",
+            per,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.reloads = Counter(
+            f"{prefix}_tenants_reloads", "Tenants file reloads (SIGHUP) by outcome", ["outcome"], registry=r
+        )
+
+    def reloaded(self, ok: bool) -> None:
+        self.reloads.labels("ok" if ok else "failed").inc()
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -71,35 +108,7 @@ class Metrics:
             registry=r,
         )
 
-        self._add_tenants(r)
-
-    def _add_tenants(self, r: CollectorRegistry) -> None:
-        """Per tenant and tier (names from the tenants file, never key material)."""
-        self.tenant_tokens = Counter(
-            "qpack_tenant_tokens", "Tokens per tenant and tier", ["tenant", "tier", "kind"], registry=r
-        )
-        self.tenant_queue = Histogram(
-            "qpack_tenant_queue_seconds",
-            "Time from arrival to a seat in the batch, per tenant and tier",
-            ["tenant", "tier"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.tenant_requests = Counter(
-            "qpack_tenant_requests",
-            "Requests answered, per tenant, tier and HTTP status",
-            ["tenant", "tier", "status"],
-            registry=r,
-        )
-        self.tenant_rate_limited = Counter(
-            "qpack_tenant_rate_limited",
-            "Requests refused by a tenant's limit (429), per limit: requests, tokens, concurrency",
-            ["tenant", "tier", "limit"],
-            registry=r,
-        )
-        self.tenants_reloads = Counter(
-            "qpack_tenants_reloads", "Tenants file reloads (SIGHUP) by outcome", ["outcome"], registry=r
-        )
+        self.tenants = TenantMetrics(r, "qpack", "Time from arrival to a seat in the batch")
 
     def tier_event(self, event: str, tier: str, value: float) -> None:
         """What the tiers report (any thread)."""

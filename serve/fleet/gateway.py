@@ -32,10 +32,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from serve.fleet import protocol as P
 from serve.fleet.reader import ResponseReader
+from serve.metrics import TenantMetrics
 from serve.openai import render
 from serve.openai.answers import Piece, disconnected, sse_events
 from serve.openai.protocol import ApiError, GenerationRequest, parse_json, parse_request, session_label
@@ -70,37 +71,15 @@ class GatewayMetrics:
             "qpack_fleet_regenerations", "Answers resumed from another worker after one died", registry=r
         )
         self.redis_errors = Counter("qpack_fleet_redis_errors", "Redis calls that failed", registry=r)
-        self.tenant_requests = Counter(
-            "qpack_fleet_tenant_requests",
-            "Requests answered, per tenant, tier and HTTP status",
-            ["tenant", "tier", "status"],
-            registry=r,
-        )
-        self.tenant_rate_limited = Counter(
-            "qpack_fleet_tenant_rate_limited",
-            "Requests refused by a tenant's limit (429), per limit: requests, tokens, concurrency",
-            ["tenant", "tier", "limit"],
-            registry=r,
-        )
-        self.tenant_tokens = Counter(
-            "qpack_fleet_tenant_tokens", "Tokens per tenant and tier", ["tenant", "tier", "kind"], registry=r
-        )
-        self.tenant_queue = Histogram(
-            "qpack_fleet_tenant_queue_seconds",
-            "Time from a request's arrival to a worker accepting it, per tenant and tier",
-            ["tenant", "tier"],
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
-            registry=r,
-        )
-        self.tenants_reloads = Counter(
-            "qpack_fleet_tenants_reloads", "Tenants file reloads (SIGHUP) by outcome", ["outcome"], registry=r
+        self.tenants = TenantMetrics(
+            r, "qpack_fleet", "Time from a request's arrival to a worker accepting it"
         )
 
     def outcome(self, status: int | str, caller: Caller | None, tenant: Tenant) -> None:
         """One answered request: its status, overall and for its tenant and tier."""
         self.requests.labels(outcome=str(status)).inc()
         tier = caller.tier if caller is not None else tenant.tier.name
-        self.tenant_requests.labels(tenant.name, tier, str(status)).inc()
+        self.tenants.requests.labels(tenant.name, tier, str(status)).inc()
 
 
 class Gateway:
@@ -230,7 +209,7 @@ class Gateway:
                 503, "rate limits cannot be checked (Redis unreachable); retry", kind="unavailable"
             ) from exc
         if not verdict.allowed:
-            self.metrics.tenant_rate_limited.labels(caller.tenant, caller.tier, verdict.limit or "").inc()
+            self.metrics.tenants.rate_limited.labels(caller.tenant, caller.tier, verdict.limit or "").inc()
             raise refusal(verdict, caller.tenant)
         return verdict.headers
 
@@ -460,9 +439,9 @@ async def _respond(gateway: Gateway, request: Request, chat: bool) -> Response:
         metrics.outcome(first.status, caller, tenant)
         if first.status == 429:  # the tenant's tokens, reserved by the worker
             limit = str((first.error or {}).get("type") or "tokens")
-            metrics.tenant_rate_limited.labels(caller.tenant, caller.tier, limit).inc()
+            metrics.tenants.rate_limited.labels(caller.tenant, caller.tier, limit).inc()
         return _chunk_error(first, headers)
-    metrics.tenant_queue.labels(caller.tenant, caller.tier).observe(time.monotonic() - answer.arrived)
+    metrics.tenants.queue.labels(caller.tenant, caller.tier).observe(time.monotonic() - answer.arrived)
     created = int(time.time())
     headers = {**headers, **(first.headers or {}), "x-qpack-worker": first.worker}
     if parsed.stream:
@@ -488,7 +467,7 @@ def _count_usage(gateway: Gateway, caller: Caller, usage: dict[str, Any] | None)
     for kind in ("prompt", "completion"):
         tokens = (usage or {}).get(f"{kind}_tokens")
         if isinstance(tokens, int):
-            gateway.metrics.tenant_tokens.labels(caller.tenant, caller.tier, kind).inc(tokens)
+            gateway.metrics.tenants.tokens.labels(caller.tenant, caller.tier, kind).inc(tokens)
 
 
 def _models(workers: list[P.WorkerInfo]) -> dict[str, Any]:

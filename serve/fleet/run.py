@@ -47,9 +47,7 @@ def run_gateway(options: ServeOptions, info: ServerInfo, log: Callable[[str], No
     url = _redis_url(options)
     check_redis(url)
     gateway = Gateway(GatewayConfig(url, options.max_queue, options.request_timeout, info))
-    info.tenants.reload_on_sighup(
-        log, lambda ok: gateway.metrics.tenants_reloads.labels("ok" if ok else "failed").inc()
-    )
+    info.tenants.reload_on_sighup(log, gateway.metrics.tenants.reloaded)
     log(f"qpack fleet gateway on http://{options.host}:{options.port} (queue: {url})")
     serve_app(create_gateway_app(gateway), options.host, options.port)
 

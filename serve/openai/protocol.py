@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve.request import SamplingParams
+from serve.tenancy.tenants import REQUESTED_SERVICE_TIERS
 
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "n": lambda v: v not in (None, 1),
@@ -31,12 +32,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "response_format": lambda v: v not in (None, {"type": "text"}),
 }
 ROLES = ("system", "user", "assistant", "developer")
-SERVICE_TIERS = (
-    "auto",
-    "default",
-    "flex",
-    "priority",
-)  # OpenAI's request values (`serve.tenancy` resolves them)
 
 
 class ApiError(Exception):
@@ -302,10 +297,9 @@ def _service_tier(body: dict[str, Any]) -> str | None:
     tier = body.get("service_tier")
     if tier is None:
         return None
-    if tier not in SERVICE_TIERS:
-        raise ApiError(
-            400, f"'service_tier' must be one of {', '.join(SERVICE_TIERS)} (got {tier!r})", "service_tier"
-        )
+    if tier not in REQUESTED_SERVICE_TIERS:
+        choices = ", ".join(REQUESTED_SERVICE_TIERS)
+        raise ApiError(400, f"'service_tier' must be one of {choices} (got {tier!r})", "service_tier")
     return str(tier)
 
 

@@ -165,7 +165,7 @@ class Generation:
         self.engine, self.info = engine, info
         self.max_chars = engine.max_model_len * longest_token_chars(engine.tokenizer)
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qpack-tokenize")
-        self.door = Door(LocalLimiter(), engine.metrics, hold=(info.request_timeout or 3600.0) + 60)
+        self.door = Door(LocalLimiter(), engine.metrics.tenants, hold=(info.request_timeout or 3600.0) + 60)
 
     async def respond(self, request: Request, chat: bool) -> Response:
         tenant: Tenant = request.state.tenant
@@ -224,7 +224,7 @@ class Generation:
         return JSONResponse(body)
 
     def _counted(self, response: Response, tenant: str, tier: str) -> Response:
-        self.engine.metrics.tenant_requests.labels(tenant, tier, str(response.status_code)).inc()
+        self.engine.metrics.tenants.requests.labels(tenant, tier, str(response.status_code)).inc()
         return response
 
     def _parse(self, body: dict[str, Any], chat: bool) -> GenerationRequest:

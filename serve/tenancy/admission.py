@@ -13,12 +13,15 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from serve.openai.protocol import ApiError, GenerationRequest, sampling_params
 from serve.request import Owner, SamplingParams
 from serve.tenancy.limits import LocalLimiter, Verdict
 from serve.tenancy.tenants import Caller, Tenant
+
+if TYPE_CHECKING:
+    from serve.metrics import TenantMetrics
 
 
 def refusal(verdict: Verdict, tenant: str, requested: int = 0) -> ApiError:
@@ -74,7 +77,7 @@ class Ticket:
 class Door:
     """The single server's door over one `LocalLimiter`; refusals are counted per tenant and tier."""
 
-    def __init__(self, limiter: LocalLimiter, metrics: Any, hold: float = 3600.0) -> None:
+    def __init__(self, limiter: LocalLimiter, metrics: TenantMetrics, hold: float = 3600.0) -> None:
         self.limiter, self.metrics, self.hold = limiter, metrics, hold
         self._lock = threading.Lock()
 
@@ -110,5 +113,5 @@ class Door:
             self.limiter.refund(ticket.caller, ticket.reserved - used)
 
     def _refused(self, verdict: Verdict, caller: Caller, requested: int = 0) -> ApiError:
-        self.metrics.tenant_rate_limited.labels(caller.tenant, caller.tier, verdict.limit or "").inc()
+        self.metrics.rate_limited.labels(caller.tenant, caller.tier, verdict.limit or "").inc()
         return refusal(verdict, caller.tenant, requested)

@@ -16,43 +16,35 @@ import httpx
 from serve.http import free_port
 
 
-def test_sigterm_drains_running_requests(tiny_llama: Path) -> None:
+def _start(args: list[str]) -> tuple[subprocess.Popen[str], str]:
+    """`qpack serve ARGS` on a free port, once it answers /health (a first start on a machine builds the native
+    kernels, ~1 min)."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "qpack",
-        "serve",
-        str(tiny_llama),
-        "--port",
-        str(port),
-        "--kv-memory",
-        "16MB",
-        "--block-size",
-        "4",
-        "--kv-dtype",
-        "bfloat16",
-    ]
+    command = [sys.executable, "-m", "qpack", "serve", *args, "--port", str(port), "--kv-memory", "16MB"]
     proc = subprocess.Popen(
-        cmd,
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, (
+            proc.stderr.read() if proc.poll() is not None else ""
+        )
+        time.sleep(0.1)
+
+
+def test_sigterm_drains_running_requests(tiny_llama: Path) -> None:
+    proc, url = _start([str(tiny_llama), "--block-size", "4", "--kv-dtype", "bfloat16"])
     try:
-        deadline = time.monotonic() + 180  # a first start on a machine builds the native kernels (~1 min)
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, (
-                proc.stderr.read() if proc.poll() is not None else ""
-            )
-            time.sleep(0.1)
         chunks: list[str] = []
         payload = {
             "prompt": "Once upon a time",
@@ -80,30 +72,6 @@ def test_sigterm_drains_running_requests(tiny_llama: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-def _start(args: list[str]) -> tuple[subprocess.Popen[str], str]:
-    port = free_port()
-    command = [sys.executable, "-m", "qpack", "serve", *args, "--port", str(port), "--kv-memory", "16MB"]
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and proc.poll() is None, (
-            proc.stderr.read() if proc.poll() is not None else ""
-        )  # type: ignore[union-attr]
-        time.sleep(0.1)
 
 
 def test_sighup_reloads_tenants_and_a_broken_file_keeps_the_old_ones(
