@@ -9,6 +9,7 @@ dropped when the step commits. `run()` loops on a background thread until told t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import struct
@@ -25,6 +26,7 @@ from torch import nn
 from quantize.runtime.kernels import ops as kernels
 from quantize.runtime.modules import numerics, set_prefill_dtype
 from serve.block_pool import BlockPool
+from serve.control.controller import Knobs, Load
 from serve.kv_cache import KVLayout, parse_memory
 from serve.metrics import Metrics
 from serve.request import Owner, Request, SamplingParams, SharedChain
@@ -60,6 +62,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 32
     max_queue: int = 256
+    prefill_chunk: int | None = None  # prompt tokens one request prefills per step (None: the step budget)
+    admission_wait: float = 0.0  # seconds an arriving request may be held to batch it with later ones
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     device: str = "cpu"
@@ -109,6 +113,7 @@ class EngineStats:
     peak_kv_allocated: int = 0
     peak_running: int = 0
     steps: int = 0
+    finished: int = 0  # requests finished so far, however they ended
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -165,6 +170,8 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 max_queue=config.max_queue,
                 max_model_len=self.max_model_len,
+                prefill_chunk=config.prefill_chunk,
+                admission_wait=config.admission_wait,
             ),
             self.pool,
             self.tiers.fetch if self.tiers is not None else None,
@@ -298,13 +305,46 @@ class Engine:
             self._callbacks[request_id] = callback
             self.metrics.prompt_tokens.inc(len(prompt_ids))
             self.metrics.tenants.tokens.labels(owner.tenant, owner.tier, "prompt").inc(len(prompt_ids))
+            shed = self._take_shed()
             self._wake.notify()
+        self._deliver(shed)
 
     def prefix_salt(self, owner: Owner, cache_salt: bytes = b"") -> bytes:
         """The salt of a request's own prefix chain: its tenant, its `cache_salt`, and its user when
         `isolate_users` is on. Requests share cached blocks only under one salt."""
         user = (owner.user or "").encode() if self.config.isolate_users else b""
         return self._salt(b"tenant", owner.tenant.encode(), cache_salt, user)
+
+    def _take_shed(self) -> list[RequestOutput]:
+        """The final outputs of requests the scheduler let go for a higher tier's (finish reason `shed`)."""
+        outputs = []
+        for request in self.scheduler.shed:
+            stream = self.streams.pop(request.request_id, None)
+            if stream is not None:
+                self._count_finished(request, "shed")
+                outputs.append(self._output(stream, "", [], True))
+        self.scheduler.shed.clear()
+        return outputs
+
+    def configure(self, knobs: Knobs) -> None:
+        """Set the scheduler's knobs (a controller's decision), from the next step on."""
+        with self._wake:
+            self.scheduler.config = dataclasses.replace(
+                self.scheduler.config,
+                max_num_seqs=knobs.max_num_seqs,
+                max_num_batched_tokens=knobs.max_num_batched_tokens,
+                prefill_chunk=knobs.prefill_chunk,
+                admission_wait=knobs.admission_wait,
+            )
+            self._wake.notify()
+
+    def load(self) -> Load:
+        """What a controller reads of this engine: waiting requests per tier, running, finished so far."""
+        with self._lock:
+            waiting: dict[str, int] = {}
+            for _key, request in self.scheduler.waiting:
+                waiting[request.owner.tier] = waiting.get(request.owner.tier, 0) + 1
+            return Load(waiting, len(self.scheduler.running), self.stats.finished)
 
     def _salt(self, *parts: bytes) -> bytes:
         """The root of a prefix chain: this engine's namespace and `parts`, each length-prefixed (no two lists
@@ -336,6 +376,7 @@ class Engine:
         return self._output(stream, "", [], True)
 
     def _count_finished(self, request: Request, reason: str) -> None:
+        self.stats.finished += 1
         owner = request.owner
         self.metrics.requests.labels(finish_reason=reason).inc()
         self.metrics.tenants.tokens.labels(owner.tenant, owner.tier, "completion").inc(

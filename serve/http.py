@@ -16,6 +16,7 @@ from typing import Any
 
 from serve.engine import Engine
 from serve.openai.routes import ServerInfo, create_app
+from serve.variants import Variants
 
 
 class _DrainingServer:
@@ -41,12 +42,6 @@ class _DrainingServer:
         self.server.run()
 
 
-def serve_forever(
-    engine: Engine, info: ServerInfo, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning"
-) -> None:
-    serve_app(create_app(engine, info), host, port, log_level)
-
-
 def serve_app(app: Any, host: str, port: int, log_level: str = "warning") -> None:
     """Run an app (needs `app.state.start_draining`) until a signal drains it."""
     _DrainingServer(app, host, port, log_level).run()
@@ -67,7 +62,7 @@ class BackgroundServer:
     ) -> None:
         import uvicorn
 
-        self.app = create_app(app, info) if isinstance(app, Engine) and info is not None else app
+        self.app = create_app(app, info) if isinstance(app, Engine | Variants) and info is not None else app
         self.port = port or free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

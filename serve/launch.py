@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from serve.control.controller import ControlConfig
 from serve.fleet.run import run_all, run_gateway, run_worker
-from serve.http import serve_forever
-from serve.loading import start_engine
-from serve.openai.routes import ServerInfo
+from serve.http import serve_app
+from serve.loading import start_variants
+from serve.openai.routes import ServerInfo, create_app
 from serve.options import LOOPBACK, ServeOptions
 from serve.tenancy.tenants import TenantsSource
 
@@ -51,15 +52,22 @@ def run_server(
 
 
 def _run_single(options: ServeOptions, tenants: TenantsSource, log: Callable[[str], None]) -> None:
-    loaded, engine = start_engine(options, log)
+    variants = start_variants(options, log)
     log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1; /health, /metrics)")
+    control = (
+        ControlConfig.around(options.max_num_seqs, options.max_num_batched_tokens, options.prefill_chunk)
+        if options.control
+        else None
+    )
     info = ServerInfo(
-        loaded.name,
-        loaded.version,
+        variants.model,
+        variants.version,
         tenants,
         options.request_timeout,
         options.max_request_bytes,
-        engine.numerics(),
+        variants.primary.engine.numerics(),
+        control,
     )
-    tenants.reload_on_sighup(log, engine.metrics.tenants.reloaded)
-    serve_forever(engine, info, options.host, options.port)
+    app = create_app(variants, info)
+    tenants.reload_on_sighup(log, app.state.tenant_metrics.reloaded)
+    serve_app(app, options.host, options.port)

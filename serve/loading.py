@@ -22,6 +22,7 @@ from quantize.common.sizes import parse_size
 from serve.engine import Engine, EngineConfig
 from serve.kv_cache import KV_DTYPES
 from serve.options import MODEL_DTYPES, ServeOptions
+from serve.variants import Served, Variants
 
 
 @dataclass
@@ -32,6 +33,9 @@ class LoadedModel:
     version: str
     source: str
     content_hash: str = ""  # what stored KV blocks are keyed by: a new version never reads old blocks
+    kl: float = 0.0  # its measured next-token KL against the model it was built from (0: that model itself)
+    reference: str = ""  # the sha256 of the weights it was built from: variants of one model share it
+    reference_name: str = ""  # that model's name
 
 
 def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
@@ -45,14 +49,27 @@ def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -
         loaded = load_artifact(path, device=device, skeleton=True)
         tokenizer = load_tokenizer(path, loaded.manifest.get("tokenizer_class"))
         content = content_sha256(loaded.manifest)
-        return LoadedModel(loaded.model, tokenizer, loaded.name, loaded.version, str(loaded.path), content)
+        source = loaded.manifest.get("source") or {}
+        quality = loaded.manifest.get("quality") or {}
+        return LoadedModel(
+            loaded.model,
+            tokenizer,
+            loaded.name,
+            loaded.version,
+            str(loaded.path),
+            content,
+            float(quality.get("kl") or 0.0),
+            str(source.get("weights_sha256") or content),
+            str(source.get("model_id") or loaded.name).rstrip("/").rsplit("/", 1)[-1],
+        )
     if dtype not in MODEL_DTYPES:
         raise QpackError(f"`dtype` {one_of(dtype, MODEL_DTYPES)}")
     source = resolve_model(target)
     model = load_model(source, dtype=getattr(torch, dtype), device=device)
     name = source.model_id.rsplit("/", 1)[-1]
+    weights = weights_sha256(source)
     return LoadedModel(
-        model, load_tokenizer(source), name, dtype, source.model_id, weights_sha256(source) + dtype
+        model, load_tokenizer(source), name, dtype, source.model_id, weights + dtype, 0.0, weights, name
     )
 
 
@@ -97,11 +114,14 @@ def describe(engine: Engine) -> str:
     )
 
 
-def start_engine(options: ServeOptions, log: Callable[[str], None]) -> tuple[LoadedModel, Engine]:
-    """The model and its engine as `options` ask (compiled and warmed up with `--compile`), progress to `log`."""
+def start_engine(
+    options: ServeOptions, log: Callable[[str], None], target: str | None = None
+) -> tuple[LoadedModel, Engine]:
+    """The model (`target`, else the options') and its engine as `options` ask (compiled and warmed up with
+    `--compile`), progress to `log`."""
     if options.threads:
         torch.set_num_threads(options.threads)
-    loaded = load_for_serving(options.target or "", options.dtype)
+    loaded = load_for_serving(target or options.target or "", options.dtype)
     log("loading the native decode kernels (built once per machine: ~1 min the first time)...")
     engine = build_engine(loaded, engine_config(options))
     if options.compile:
@@ -110,6 +130,30 @@ def start_engine(options: ServeOptions, log: Callable[[str], None]) -> tuple[Loa
     log(f"qpack serve {loaded.name} v{loaded.version} ({loaded.source})")
     log(describe(engine))
     return loaded, engine
+
+
+def start_variants(options: ServeOptions, log: Callable[[str], None]) -> Variants:
+    """`target` and every one of `variants`, each with its own engine (and KV pool of `kv_memory`), served under
+    one name. They must be builds of one model: their manifests name the same source weights."""
+    loaded = [start_engine(options, log, target) for target in (options.target or "", *options.variants)]
+    if len(loaded) == 1:
+        model, engine = loaded[0]
+        return Variants.single(engine, model.name, model.version, model.content_hash)
+    first = loaded[0][0]
+    strangers = [m.source for m, _engine in loaded if m.reference != first.reference]
+    if strangers:
+        raise QpackError(
+            f"`variants` must be built from the model `target` was built from ({first.reference_name}): "
+            f"{', '.join(strangers)} came from another; serve it on its own"
+        )
+    served = [Served(m.name, m.version, m.kl, m.content_hash, engine) for m, engine in loaded]
+    variants = Variants(first.reference_name, first.version, served)
+    log(
+        "variants: "
+        + ", ".join(f"{s.name} (KL {s.kl:.5f})" for s in variants)
+        + f", served as {variants.model}"
+    )
+    return variants
 
 
 def engine_config(options: ServeOptions) -> EngineConfig:
@@ -121,6 +165,8 @@ def engine_config(options: ServeOptions) -> EngineConfig:
         max_num_batched_tokens=options.max_num_batched_tokens,
         max_num_seqs=options.max_num_seqs,
         max_queue=options.max_queue,
+        prefill_chunk=options.prefill_chunk,
+        admission_wait=options.admission_wait,
         max_model_len=options.max_model_len,
         enable_prefix_caching=options.prefix_caching,
         compile=options.compile,

@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 
-class TenantMetrics:
-    """Per tenant and tier, in a server's registry or a fleet gateway's (`prefix`): requests by HTTP status,
-    refusals by the limit that refused, tokens, queue time (`queue_help` says from when to when), and reloads
-    of the tenants file. Labels are tenant and tier names from that file, never key material."""
+class TenantUsage:
+    """What each tenant used, per tier (`prefix`: qpack for an engine, qpack_fleet for a gateway): tokens, and the
+    time its requests waited (`queue_help` says from when to when). Labels are names from the tenants file."""
 
     def __init__(self, r: CollectorRegistry, prefix: str, queue_help: str) -> None:
+        per = ["tenant", "tier"]
+        self.tokens = Counter(
+            f"{prefix}_tenant_tokens", "Tokens per tenant and tier", [*per, "kind"], registry=r
+        )
+        self.queue = Histogram(
+            f"{prefix}_tenant_queue_seconds",
+            f"{queue_help}, per tenant and tier",
+            per,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+
+class TenantMetrics:
+    """A front door's answers per tenant and tier (a server's, or a fleet gateway's with `prefix` qpack_fleet):
+    requests by HTTP status, refusals by the limit that refused, and reloads of the tenants file. Never key
+    material: tenant and tier names only."""
+
+    def __init__(self, r: CollectorRegistry, prefix: str) -> None:
         per = ["tenant", "tier"]
         self.requests = Counter(
             f"{prefix}_tenant_requests",
@@ -27,22 +48,62 @@ class TenantMetrics:
             [*per, "limit"],
             registry=r,
         )
-        self.tokens = Counter(
-            f"{prefix}_tenant_tokens", "Tokens per tenant and tier", [*per, "kind"], registry=r
-        )
-        self.queue = Histogram(
-            f"{prefix}_tenant_queue_seconds",
-            f"{queue_help}, per tenant and tier",
-            per,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
         self.reloads = Counter(
             f"{prefix}_tenants_reloads", "Tenants file reloads (SIGHUP) by outcome", ["outcome"], registry=r
         )
 
     def reloaded(self, ok: bool) -> None:
         self.reloads.labels("ok" if ok else "failed").inc()
+
+
+class ControlMetrics:
+    """The surge controller and the tiers' promises (`prefix` as for `TenantMetrics`): per tier, SLO attainment
+    and goodput over the ledger's window and every outcome counted; the controller's mode, forecast, capacity,
+    knobs and shed level; every decision it changed, by kind; requests per variant and tier."""
+
+    def __init__(self, r: CollectorRegistry, prefix: str) -> None:
+        self.attainment = Gauge(
+            f"{prefix}_slo_attainment",
+            "Share of served requests that met their tier's SLO (window)",
+            ["tier"],
+            registry=r,
+        )
+        self.goodput = Gauge(
+            f"{prefix}_goodput",
+            "Requests per second that met their tier's SLO (window)",
+            ["tier"],
+            registry=r,
+        )
+        self.outcomes = Counter(
+            f"{prefix}_slo_requests",
+            "Requests by tier and outcome: met, missed, shed",
+            ["tier", "outcome"],
+            registry=r,
+        )
+        self.mode = Gauge(
+            f"{prefix}_control_mode", "1 for the controller's current mode", ["mode"], registry=r
+        )
+        self.forecast = Gauge(
+            f"{prefix}_control_forecast_rps", "Arrivals/s forecast over the horizon", registry=r
+        )
+        self.capacity = Gauge(
+            f"{prefix}_control_capacity_rps", "Requests/s finished at full load", registry=r
+        )
+        self.shed_from = Gauge(
+            f"{prefix}_control_shed_from_rank",
+            "Tiers of this rank and lower are refused (-1: none)",
+            registry=r,
+        )
+        self.knobs = Gauge(f"{prefix}_control_knob", "The scheduler knobs in force", ["knob"], registry=r)
+        self.decisions = Counter(
+            f"{prefix}_control_decisions", "Decisions that changed something, by kind", ["kind"], registry=r
+        )
+        self.variant_requests = Counter(
+            f"{prefix}_variant_requests",
+            "Requests routed per variant and tier",
+            ["variant", "tier"],
+            registry=r,
+        )
 
 
 class Metrics:
@@ -108,7 +169,7 @@ class Metrics:
             registry=r,
         )
 
-        self.tenants = TenantMetrics(r, "qpack", "Time from arrival to a seat in the batch")
+        self.tenants = TenantUsage(r, "qpack", "Time from arrival to a seat in the batch")
 
     def tier_event(self, event: str, tier: str, value: float) -> None:
         """What the tiers report (any thread)."""
@@ -127,3 +188,27 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class Labelled:
+    """A collector of several registries' metrics, each sample labelled with the name its registry is given
+    (`variant`): one `/metrics` for several engines whose metrics share their names."""
+
+    def __init__(self, label: str, registries: dict[str, CollectorRegistry]) -> None:
+        self.label, self.registries = label, registries
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for value, registry in self.registries.items():
+            for family in registry.collect():
+                merged = families.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type)
+                )
+                for sample in family.samples:
+                    labels = {**sample.labels, self.label: value}
+                    merged.add_sample(sample.name, labels, sample.value, sample.timestamp, sample.exemplar)
+        return iter(families.values())
+
+
+def render(*registries: CollectorRegistry) -> bytes:
+    return b"".join(generate_latest(registry) for registry in registries)

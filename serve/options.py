@@ -42,6 +42,9 @@ class ServeOptions:
 
     target: str | None
     """Artifact directory, or a model (HF folder, .gguf, Hub id, alias); not needed by the gateway role."""
+    variants: tuple[str, ...] = ()
+    """More artifacts of the same model (`qpack serve A B`: its int4 build beside the int8 one), each with its own
+    engine and KV pool; with `control`, lower tiers move to the cheaper one under load."""
     host: str = "127.0.0.1"
     """Address to bind (default loopback only)."""
     port: int = 8000
@@ -58,6 +61,13 @@ class ServeOptions:
     """Sequences per batch."""
     max_queue: int = 256
     """Waiting requests before 429."""
+    prefill_chunk: int | None = None
+    """Prompt tokens one request may prefill per step (default: the step's token budget)."""
+    admission_wait: float = 0.0
+    """Seconds an arriving request may be held to batch it with later ones (a static batching window)."""
+    control: bool = False
+    """Run the surge controller: latency or throughput mode from the traffic forecast, shedding the lowest tier
+    first and routing lower tiers to cheaper `variants` under load, against the tiers' SLOs (`tenants_file`)."""
     max_model_len: int | None = None
     """Context limit (default: the model's)."""
     request_timeout: float = 600.0
@@ -129,8 +139,9 @@ class ServeOptions:
         problems += [f"missing field {name!r}" for name in ("target",) if name not in fields]
         if problems:
             raise QpackError("invalid serve options: " + "; ".join(problems))
-        if fields.get("api_keys") is not None:
-            fields["api_keys"] = tuple(fields["api_keys"])
+        for name in ("api_keys", "variants"):
+            if fields.get(name) is not None:
+                fields[name] = tuple(fields[name])
         for name in ("api_key_file", "tenants_file"):
             if fields.get(name) is not None:
                 fields[name] = Path(fields[name])
@@ -166,6 +177,14 @@ class ServeOptions:
             value = getattr(self, field)
             problems.check(value >= 1, field, f"must be at least 1 (got {value})")
         problems.check(self.max_queue >= 0, "max_queue", f"must be >= 0 (got {self.max_queue})")
+        problems.check(
+            self.prefill_chunk is None or self.prefill_chunk >= 1,
+            "prefill_chunk",
+            f"must be at least 1 (got {self.prefill_chunk})",
+        )
+        problems.check(
+            self.admission_wait >= 0, "admission_wait", f"must be >= 0 seconds (got {self.admission_wait})"
+        )
         problems.check_choice(self.kv_dtype, "kv_dtype", KV_DTYPE_NAMES)
         problems.check_choice(self.kv_codec, "kv_codec", CODECS)
         problems.check_choice(self.prefill_dtype, "prefill_dtype", PREFILL_DTYPE_NAMES)

@@ -16,7 +16,11 @@ place of running requests of a *lower* tier (lowest first, newest first) before 
 request is ever preempted, or kept waiting for a seat, while a lower tier holds one.
 
 The waiting queue is bounded (`max_queue`); `add` returns False when it is full, which the API turns into a
-429 with Retry-After. The scheduler never touches tensors: where a prefix misses the pool's cache, the engine's
+429 with Retry-After, unless the newcomer outranks the lowest tier waiting: then the newest request of that tier
+leaves the queue instead (`shed`, answered 429 too), so a higher tier is never refused while a lower one waits.
+The knobs a controller turns between steps are all in `SchedulerConfig`: the batch cap, the step's token budget,
+the prompt tokens one request may prefill per step (`prefill_chunk`) and how long an arriving request may be
+held so that it is batched with later ones (`admission_wait`, the static batching-window rules). The scheduler never touches tensors: where a prefix misses the pool's cache, the engine's
 `fetch` callback may supply the next blocks of the chain from the lower tiers (already filled and registered),
 and `on_register` tells the engine about every block it registers, so it can write it through.
 """
@@ -24,6 +28,7 @@ and `on_register` tells the engine about every block it registers, so it can wri
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,6 +47,8 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_queue: int = 256
     max_model_len: int = 2048
+    prefill_chunk: int | None = None  # prompt tokens one request prefills per step (None: the budget)
+    admission_wait: float = 0.0  # seconds a waiting head may be held for a fuller batch
 
 
 @dataclass
@@ -80,6 +87,7 @@ class Scheduler:
         self.on_register = on_register
         self.waiting: list[tuple[tuple[int, int, int], Request]] = []
         self.running: list[Request] = []
+        self.shed: list[Request] = []  # left the queue for a higher tier's request; the engine answers them
         self._arrivals = 0
         self.num_preemptions = 0
 
@@ -91,9 +99,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> bool:
-        """Queue a request; False when the waiting queue is full (back-pressure)."""
+        """Queue a request; False when the waiting queue is full (back-pressure) of requests of its tier or
+        higher. Full of lower tiers, the newest of the lowest leaves (`shed`) to make room."""
         if len(self.waiting) >= self.config.max_queue:
-            return False
+            lowest = max(
+                (entry for entry in self.waiting), key=lambda e: (e[1].tier_rank, e[1].arrival_index)
+            )[1]
+            if self.config.max_queue == 0 or lowest.tier_rank <= request.tier_rank:
+                return False
+            self.finish(lowest, "shed")
+            self.shed.append(lowest)
         request.arrival_index = self._arrivals
         self._arrivals += 1
         request.status = Status.WAITING
@@ -156,14 +171,28 @@ class Scheduler:
             victim = self._victim(set())
             if victim is None or victim.tier_rank <= head.tier_rank:
                 return
-            chunk = min(head.num_uncomputed, self.config.max_num_batched_tokens)
+            chunk = self._chunk(head, self.config.max_num_batched_tokens)
             full = len(self.running) >= self.config.max_num_seqs
             if not full and self.pool.num_free >= -(-chunk // self.config.block_size):
                 return
             self.preempt(victim)
             out.preempted.append(victim)
 
-    def schedule(self) -> SchedulerOutput:
+    def _chunk(self, request: Request, budget: int) -> int:
+        """Tokens the request computes this step: one to decode, or the next chunk of its prompt."""
+        chunk = self.config.prefill_chunk or budget
+        return min(request.num_uncomputed, budget, max(1, chunk))
+
+    def _hold(self, now: float) -> bool:
+        """A batching window: hold the waiting head until it has waited `admission_wait` or enough have come to
+        fill the free seats."""
+        if self.config.admission_wait <= 0 or not self.waiting:
+            return False
+        head = self.waiting[0][1]
+        seats = self.config.max_num_seqs - len(self.running)
+        return now - head.arrival_time < self.config.admission_wait and len(self.waiting) < seats
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
@@ -173,7 +202,7 @@ class Scheduler:
                 break
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_uncomputed, budget)
+            num_new = self._chunk(request, budget)
             while not self._grow(request, request.num_computed + num_new):
                 victim = self._victim(scheduled_ids)
                 if victim is None:
@@ -190,7 +219,8 @@ class Scheduler:
             out.scheduled.append(Scheduled(request, request.num_computed, num_new))
             scheduled_ids.add(id(request))
             budget -= num_new
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        held = self._hold(time.monotonic() if now is None else now)
+        while not held and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             _key, request = self.waiting[0]
             tokens = request.all_ids
             cacheable = (len(tokens) - 1) // self.config.block_size
@@ -205,7 +235,7 @@ class Scheduler:
             request.block_ids = [*hits, *loaded]
             request.num_computed = len(request.block_ids) * self.config.block_size
             request.num_registered = len(request.block_ids)
-            num_new = min(request.num_uncomputed, budget)
+            num_new = self._chunk(request, budget)
             if not self._grow(request, request.num_computed + num_new):
                 self._release(request)
                 break

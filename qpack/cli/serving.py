@@ -3,18 +3,35 @@ a signal drains it."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import typer
 
 from qpack.cli.app import app, output, run
 from qpack.cli.fields import Option, Options
+from quantize.common.config import Problems
 from serve.options import ServeOptions
+
+
+def _targets(values: dict[str, Any], problems: Problems) -> dict[str, Any]:
+    """`qpack serve A B ...`: the first is `target`, the others its `variants`."""
+    del problems
+    targets = list(values.get("targets") or [])
+    return {"target": targets[0] if targets else None, "variants": tuple(targets[1:])}
+
 
 SERVE = Options(
     ServeOptions,
     [
-        Option("target", argument=True, default=None),
+        Option(
+            "",
+            name="targets",
+            argument=True,
+            cli_type=Optional[list[str]],  # noqa: UP045 - typer reads the annotation at run time
+            default=None,
+            help="Artifact directories (or a model) to serve; several: variants of one model, most accurate "
+            "first by their measured KL (`qpack serve int8/ int4/`).",
+        ),
         "host",
         "port",
         "kv_memory",
@@ -23,6 +40,9 @@ SERVE = Options(
         "max_num_batched_tokens",
         "max_num_seqs",
         "max_queue",
+        "prefill_chunk",
+        "admission_wait",
+        Option("control", ("--control/--no-control",)),
         "max_model_len",
         "request_timeout",
         Option("api_keys", ("--api-key",), envvar="QPACK_API_KEY"),
@@ -47,6 +67,8 @@ SERVE = Options(
         "threads",
     ],
     "serve",
+    build=_targets,
+    names={"target": "TARGETS", "variants": "TARGETS"},
 )
 
 

@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from serve.fleet import protocol as P
 from serve.fleet.reader import ResponseReader
-from serve.metrics import TenantMetrics
+from serve.metrics import TenantMetrics, TenantUsage
 from serve.openai import render
 from serve.openai.answers import Piece, disconnected, sse_events
 from serve.openai.protocol import ApiError, GenerationRequest, parse_json, parse_request, session_label
@@ -71,9 +71,8 @@ class GatewayMetrics:
             "qpack_fleet_regenerations", "Answers resumed from another worker after one died", registry=r
         )
         self.redis_errors = Counter("qpack_fleet_redis_errors", "Redis calls that failed", registry=r)
-        self.tenants = TenantMetrics(
-            r, "qpack_fleet", "Time from a request's arrival to a worker accepting it"
-        )
+        self.tenants = TenantMetrics(r, "qpack_fleet")
+        self.usage = TenantUsage(r, "qpack_fleet", "Time from a request's arrival to a worker accepting it")
 
     def outcome(self, status: int | str, caller: Caller | None, tenant: Tenant) -> None:
         """One answered request: its status, overall and for its tenant and tier."""
@@ -441,7 +440,7 @@ async def _respond(gateway: Gateway, request: Request, chat: bool) -> Response:
             limit = str((first.error or {}).get("type") or "tokens")
             metrics.tenants.rate_limited.labels(caller.tenant, caller.tier, limit).inc()
         return _chunk_error(first, headers)
-    metrics.tenants.queue.labels(caller.tenant, caller.tier).observe(time.monotonic() - answer.arrived)
+    metrics.usage.queue.labels(caller.tenant, caller.tier).observe(time.monotonic() - answer.arrived)
     created = int(time.time())
     headers = {**headers, **(first.headers or {}), "x-qpack-worker": first.worker}
     if parsed.stream:
@@ -467,7 +466,7 @@ def _count_usage(gateway: Gateway, caller: Caller, usage: dict[str, Any] | None)
     for kind in ("prompt", "completion"):
         tokens = (usage or {}).get(f"{kind}_tokens")
         if isinstance(tokens, int):
-            gateway.metrics.tenants.tokens.labels(caller.tenant, caller.tier, kind).inc(tokens)
+            gateway.metrics.usage.tokens.labels(caller.tenant, caller.tier, kind).inc(tokens)
 
 
 def _models(workers: list[P.WorkerInfo]) -> dict[str, Any]:

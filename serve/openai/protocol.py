@@ -93,12 +93,6 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def check_model(body: dict[str, Any], name: str, version: str) -> None:
-    model = body.get("model")
-    if model is not None and model not in (name, f"{name}:{version}"):
-        raise ApiError(404, f"model {model!r} is not served here; use {name!r}", "model", "model_not_found")
-
-
 def parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
     """Every field checked, in the order a client would fix them: the prompt, then the options."""
     prompt = None if chat else _prompt(body)

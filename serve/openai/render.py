@@ -20,9 +20,17 @@ def usage(output: RequestOutput) -> dict[str, Any]:
 
 
 def response(
-    request_id: str, chat: bool, created: int, model: str, text: str, final: RequestOutput, service_tier: str
+    request_id: str,
+    chat: bool,
+    created: int,
+    model: str,
+    text: str,
+    final: RequestOutput,
+    service_tier: str,
+    fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    """The whole answer of a non-streaming request (`service_tier`: the tier it ran at, as OpenAI names it)."""
+    """The whole answer of a non-streaming request (`service_tier`: the tier it ran at, as OpenAI names it;
+    `fingerprint`: the build, the variant, that computed it)."""
     choice: dict[str, Any]
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}}
@@ -35,6 +43,7 @@ def response(
         "created": created,
         "model": model,
         "service_tier": service_tier,
+        "system_fingerprint": fingerprint,
         "choices": [choice],
         "usage": usage(final),
     }
@@ -44,9 +53,17 @@ class Chunks:
     """The SSE events of one streaming request: a role chunk first (chat), text deltas, the finish reason, the
     usage chunk when asked for, then [DONE]."""
 
-    def __init__(self, request_id: str, chat: bool, created: int, model: str, service_tier: str) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        chat: bool,
+        created: int,
+        model: str,
+        service_tier: str,
+        fingerprint: str | None = None,
+    ) -> None:
         self.request_id, self.chat, self.created, self.model = request_id, chat, created, model
-        self.service_tier = service_tier
+        self.service_tier, self.fingerprint = service_tier, fingerprint
         self.kind = "chat.completion.chunk" if chat else "text_completion"
 
     def _event(self, **fields: Any) -> str:
@@ -56,6 +73,7 @@ class Chunks:
             "created": self.created,
             "model": self.model,
             "service_tier": self.service_tier,
+            "system_fingerprint": self.fingerprint,
         }
         return f"data: {json.dumps({**body, **fields})}\n\n"
 

@@ -56,11 +56,16 @@ HEX_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 @dataclass(frozen=True)
 class Tier:
-    """A service tier: `rank` 0 is the highest; `service_tier` is its OpenAI name."""
+    """A service tier: `rank` 0 is the highest; `service_tier` is its OpenAI name. Its promise, when the file
+    makes one: a first token within `ttft_ms` and the next ones every `tpot_ms` (per request), answered by a
+    variant no further from the reference model than `max_kl` (the measured next-token KL in its manifest)."""
 
     name: str
     rank: int
     service_tier: str
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    max_kl: float | None = None
 
 
 BUILTIN_TIERS = (Tier("priority", 0, "priority"), Tier("standard", 1, "default"), Tier("free", 2, "flex"))
@@ -350,10 +355,23 @@ def _tiers(raw: Any, problems: _Problems) -> tuple[Tier, ...]:
             problems.add(
                 (*where, "service_tier"), f"must be one of {', '.join(SERVICE_TIERS)} (got {service!r})"
             )
-        for key in sorted(set(entry) - {"name", "service_tier"}):
-            problems.add((*where, key), "is not a tier setting (name, service_tier)")
-        tiers.append(Tier(name, len(tiers), str(service)))
+        for key in sorted(set(entry) - {"name", "service_tier", *_PROMISES}):
+            problems.add((*where, key), f"is not a tier setting (name, service_tier, {', '.join(_PROMISES)})")
+        promises = {key: _positive(entry.get(key), (*where, key), problems) for key in _PROMISES}
+        tiers.append(Tier(name, len(tiers), str(service), **promises))
     return tuple(tiers) or BUILTIN_TIERS
+
+
+_PROMISES = ("ttft_ms", "tpot_ms", "max_kl")
+
+
+def _positive(value: Any, where: tuple[str, ...], problems: _Problems) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        problems.add(where, f"must be a number >= 0 (got {value!r})")
+        return None
+    return float(value)
 
 
 _PrefixEntry = tuple[SharedPrefix, tuple[str, ...]]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from serve.openai.protocol import ApiError, check_model, parse_json, parse_request, sampling_params
+from serve.openai.protocol import ApiError, parse_json, parse_request, sampling_params
+from serve.variants import Served, Variants
 
 
 def test_a_completion_request_parses_every_option() -> None:
@@ -82,10 +83,21 @@ def test_context_limits_and_model_names() -> None:
         sampling_params(request, prompt_len=60, max_model_len=100)
     with pytest.raises(ApiError, match="longer than the model context"):
         sampling_params(request, prompt_len=100, max_model_len=100)
-    check_model({"model": "tiny:3"}, "tiny", "3")
+    variants = Variants(
+        "tiny", "3", [Served(n, "3", kl, "h" * 12, None) for n, kl in (("t8", 0.01), ("t4", 0.2))]
+    )  # type: ignore[arg-type]
+    assert [variants.pinned(m) for m in (None, "tiny", "tiny:3", "t4", "t8:3")] == [
+        None,
+        None,
+        None,
+        "t4",
+        "t8",
+    ]
     with pytest.raises(ApiError) as caught:
-        check_model({"model": "other"}, "tiny", "3")
-    assert caught.value.status == 404
+        variants.pinned("other")
+    assert caught.value.status == 404 and "tiny, t8, t4" in caught.value.message
+    single = Variants("tiny", "3", [Served("tiny", "3", 0.0, "h", None)])  # type: ignore[arg-type]
+    assert single.pinned("tiny:3") is None
     for raw in (b"{nope", b"[1]", b"\xff"):
         with pytest.raises(ApiError):
             parse_json(raw)

@@ -1,0 +1,332 @@
+"""The surge controller: every tick, from what arrived and what is queued, the engine's knobs, which tiers run on
+which variant, and which tiers are refused for now.
+
+Pure and tensor-free like `serve/scheduler.py`, with the time inside each `Observation`, so that a simulated
+trace drives it deterministically (`tests/serve/test_control.py`); `serve.control.loop` feeds it from a server,
+and the fleet gateway from Redis and its workers' heartbeats.
+
+Each tick:
+1. **Forecast** each tier's arrival rate over the next `horizon` seconds (`forecast.Holt`, chosen by measurement).
+2. **Capacity**: the requests a second each variant finishes in throughput mode while it has a queue (an EWMA
+   of those ticks only). Until three such ticks have been seen it is unknown, and nothing is routed or shed on
+   a guess.
+3. **Mode**, with hysteresis: throughput (a larger batch, a larger prefill budget and chunk) as soon as the
+   forecast load passes `rise` of capacity or a queue builds past a quarter of the tightest first-token target,
+   that is before the queue would have grown from the forecast alone; back to latency (a small batch and small
+   prefill chunks, so tokens come fast) only once the forecast has stayed under `fall` of capacity with nothing
+   waiting for `dwell` seconds in a row. In throughput mode the batch cap follows the measured TPOT: it shrinks
+   while some tier's p95 nears its target and grows back when there is room.
+4. **Routing** (several variants of one model): the top tier always runs on the most accurate variant; when the
+   forecast overloads it, tiers move to the cheaper variant lowest first, each only if the variant's measured
+   KL is within the tier's `max_kl`; they come back when the load falls under `fall`.
+5. **Shedding**, only after routing: a tier is refused (429, `Retry-After` the forecast time for its queue to
+   drain) while the wait predicted for its next request, the queue of its own and higher tiers on its variant
+   over the capacity those leave it, passes `margin` of its first-token target; it is admitted again under half
+   of it. Refusals are monotone: when a tier is shed every lower tier is too, and the top tier never is. So a
+   higher tier is never refused while a lower one is admitted (and the scheduler never preempts one for a lower
+   one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from serve.control.forecast import Ewma, Holt
+from serve.control.slo import Slo
+
+LATENCY, THROUGHPUT = "latency", "throughput"
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """What the controller sets on an engine's scheduler."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int  # tokens per step (decodes and prefill chunks)
+    prefill_chunk: int  # prompt tokens one request may prefill in one step
+    admission_wait: float = (
+        0.0  # seconds a request may be held to batch it with later ones (static rules only)
+    )
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    name: str
+    rank: int
+    slo: Slo = field(default_factory=Slo)
+    max_kl: float | None = None  # the largest measured KL of a variant it may be routed to (None: any)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One artifact of the served model, and how far its answers are from the reference (its manifest's KL)."""
+
+    name: str
+    kl: float
+
+
+@dataclass(frozen=True)
+class Load:
+    """One variant's engine (or fleet workers) at a tick."""
+
+    waiting: dict[str, int] = field(default_factory=dict)  # per tier
+    running: int = 0
+    finished: int = 0  # requests finished since the last tick
+
+
+@dataclass(frozen=True)
+class Observation:
+    now: float
+    arrivals: dict[str, int]  # per tier since the last tick: every request that asked, refused ones included
+    loads: dict[str, Load]  # per variant
+    tpot_p95: dict[str, float] = field(default_factory=dict)  # per tier, recent
+
+
+@dataclass(frozen=True)
+class Decision:
+    mode: str
+    knobs: Knobs
+    forecast: float  # requests/s expected over the horizon, all tiers
+    capacity: float | None  # requests/s the variants finish while queued, all together
+    shed_from: int | None  # tiers of this rank and lower are refused
+    retry_after: float
+    routes: dict[str, str]  # tier -> variant
+    changes: tuple[str, ...] = ()  # what this tick changed: mode, knobs, route, shed
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    tick: float = 0.5
+    horizon: float = 5.0
+    latency: Knobs = Knobs(8, 256, 128)
+    throughput: Knobs = Knobs(32, 1024, 512)
+    rise: float = 0.8
+    fall: float = 0.5
+    dwell: float = 5.0
+    margin: float = 0.8
+    shed: bool = True
+    route: bool = True
+    tpot_guard: bool = True
+
+    @classmethod
+    def around(
+        cls, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int | None
+    ) -> ControlConfig:
+        """Modes around a server's configured limits: throughput mode is them (prefill chunks of half the budget
+        unless set); latency mode a quarter of the batch, a quarter of the budget, chunks of an eighth."""
+        budget = max_num_batched_tokens
+        return cls(
+            latency=Knobs(max(2, max_num_seqs // 4), max(128, budget // 4), max(64, budget // 8)),
+            throughput=Knobs(max_num_seqs, budget, prefill_chunk or max(64, budget // 2)),
+        )
+
+
+class Controller:
+    def __init__(self, config: ControlConfig, tiers: list[TierPolicy], variants: list[Variant]) -> None:
+        if not variants:
+            raise ValueError("the controller needs at least one variant")
+        self.config = config
+        self.tiers = sorted(tiers, key=lambda t: t.rank)
+        self.variants = sorted(variants, key=lambda v: v.kl)
+        self.forecasts: dict[str, Holt] = {t.name: Holt() for t in self.tiers}
+        self.capacity: dict[str, Ewma] = {v.name: Ewma(0.2) for v in self.variants}
+        self.samples: dict[str, int] = dict.fromkeys(self.capacity, 0)
+        self.mode, self.last = LATENCY, None  # type: str, float | None
+        self.calm_since: float | None = None  # since when the load has been low enough for latency mode
+        self.seqs = config.throughput.max_num_seqs
+        self._tuned_at = -1e9
+        self.routed: set[str] = set()
+        self.shed_from: int | None = None
+        self._queued: dict[str, bool] = {}
+        self.decision: Decision | None = None
+
+    # ------------------------------------------------------------------ one tick
+
+    def step(self, observation: Observation) -> Decision:
+        now = observation.now
+        elapsed = self.config.tick if self.last is None else max(1e-3, now - self.last)
+        self.last = now
+        for tier in self.tiers:
+            self.forecasts[tier.name].update(observation.arrivals.get(tier.name, 0) / elapsed)
+        steps = self.config.horizon / self.config.tick
+        rates = {t.name: self.forecasts[t.name].forecast(steps) for t in self.tiers}
+        self._learn_capacity(observation, elapsed)
+        mode = self._mode(sum(rates.values()), observation, now)
+        routes = self._routes(rates, mode)
+        shed_from, retry_after = self._shed(rates, routes, observation)
+        knobs = self._knobs(mode, observation, shed_from)
+        decision = Decision(
+            mode, knobs, sum(rates.values()), self.total_capacity(), shed_from, retry_after, routes
+        )
+        decision = dataclasses.replace(decision, changes=self._changes(decision))
+        self.decision = decision
+        return decision
+
+    def _known(self) -> dict[str, float]:
+        return {
+            name: c.level
+            for name, c in self.capacity.items()
+            if c.level is not None and self.samples[name] >= 3
+        }
+
+    def total_capacity(self) -> float | None:
+        known = self._known()
+        return sum(known.values()) if known else None
+
+    def _capacity_of(self, variant: str) -> float | None:
+        """A variant's capacity; an unmeasured one is taken as the measured mean of the others."""
+        known = self._known()
+        if variant in known:
+            return known[variant]
+        return sum(known.values()) / len(known) if known else None
+
+    def _learn_capacity(self, observation: Observation, elapsed: float) -> None:
+        """A tick counts when it ran in throughput mode and the variant had a queue at its start and at its end: it
+        finished as fast as it can."""
+        for variant, load in observation.loads.items():
+            queued = sum(load.waiting.values()) > 0
+            if queued and self._queued.get(variant) and self.mode == THROUGHPUT and variant in self.capacity:
+                self.capacity[variant].update(load.finished / elapsed)
+                self.samples[variant] += 1
+            self._queued[variant] = queued
+
+    # ------------------------------------------------------------------ mode
+
+    def _tightest_ttft(self) -> float | None:
+        targets = [t.slo.ttft for t in self.tiers if t.slo.ttft is not None]
+        return min(targets) if targets else None
+
+    def _mode(self, forecast: float, observation: Observation, now: float) -> str:
+        capacity = self.total_capacity()
+        waiting = sum(sum(load.waiting.values()) for load in observation.loads.values())
+        load = forecast / capacity if capacity else None
+        tightest = self._tightest_ttft()
+        backlog = waiting / capacity if capacity else None
+        building = (backlog is not None and tightest is not None and backlog > 0.25 * tightest) or (
+            capacity is None and waiting > self.config.latency.max_num_seqs
+        )
+        calm = waiting == 0 and (load is None or load < self.config.fall)
+        self.calm_since = (self.calm_since if self.calm_since is not None else now) if calm else None
+        if self.mode == LATENCY and ((load is not None and load >= self.config.rise) or building):
+            self.mode = THROUGHPUT
+        elif self.mode == THROUGHPUT and calm and now - (self.calm_since or now) >= self.config.dwell:
+            self.mode = LATENCY
+            self.seqs = self.config.throughput.max_num_seqs
+        return self.mode
+
+    # ------------------------------------------------------------------ routing
+
+    def _routes(self, rates: dict[str, float], mode: str) -> dict[str, str]:
+        accurate = self.variants[0]
+        routes = {t.name: accurate.name for t in self.tiers}
+        cheap = self.variants[1] if len(self.variants) > 1 else None
+        if cheap is None or not self.config.route:
+            return routes
+        movable = [
+            t for t in reversed(self.tiers) if t.rank > 0 and (t.max_kl is None or cheap.kl <= t.max_kl)
+        ]
+        if mode == LATENCY:
+            self.routed.clear()
+        else:
+            capacity = self._capacity_of(accurate.name)
+            if capacity:
+                on_accurate = sum(rate for name, rate in rates.items() if name not in self.routed)
+                for tier in movable:  # lowest first
+                    if on_accurate <= self.config.rise * capacity:
+                        break
+                    if tier.name not in self.routed:
+                        self.routed.add(tier.name)
+                        on_accurate -= rates[tier.name]
+                for tier in reversed(movable):  # highest routed first back, with room to spare
+                    if (
+                        tier.name in self.routed
+                        and on_accurate + rates[tier.name] < self.config.fall * capacity
+                    ):
+                        self.routed.discard(tier.name)
+                        on_accurate += rates[tier.name]
+        for name in self.routed:
+            routes[name] = cheap.name
+        return routes
+
+    # ------------------------------------------------------------------ shedding
+
+    def _waits(
+        self, rates: dict[str, float], routes: dict[str, str], observation: Observation
+    ) -> dict[int, float]:
+        """Per tier rank, the seconds its next request is predicted to wait on its variant: the queue of its own
+        and higher tiers there, over the capacity that the higher tiers' forecast arrivals leave."""
+        waits: dict[int, float] = {}
+        for tier in self.tiers:
+            variant = routes[tier.name]
+            capacity = self._capacity_of(variant)
+            load = observation.loads.get(variant, Load())
+            if not capacity:
+                continue
+            peers = [t for t in self.tiers if routes[t.name] == variant]
+            ahead = sum(load.waiting.get(t.name, 0) for t in peers if t.rank <= tier.rank)
+            higher = sum(rates[t.name] for t in peers if t.rank < tier.rank)
+            waits[tier.rank] = ahead / max(0.05 * capacity, capacity - higher)
+        return waits
+
+    def _shed(
+        self, rates: dict[str, float], routes: dict[str, str], observation: Observation
+    ) -> tuple[int | None, float]:
+        if not self.config.shed:
+            return None, 0.0
+        waits = self._waits(rates, routes, observation)
+        shed_from: int | None = None
+        for tier in self.tiers[1:]:
+            target, wait = tier.slo.ttft, waits.get(tier.rank)
+            if target is None or wait is None:
+                continue
+            already = self.shed_from is not None and tier.rank >= self.shed_from
+            if wait > self.config.margin * target or (already and wait > 0.5 * target):
+                shed_from = tier.rank
+                break
+        self.shed_from = shed_from
+        if shed_from is None:
+            return None, 0.0
+        tier = next(t for t in self.tiers if t.rank == shed_from)
+        drain = waits[shed_from] - 0.5 * (tier.slo.ttft or 0.0)
+        return shed_from, min(60.0, max(1.0, drain))
+
+    # ------------------------------------------------------------------ knobs
+
+    def _knobs(self, mode: str, observation: Observation, shed_from: int | None) -> Knobs:
+        """The mode's preset; in throughput mode the batch cap steps down by a quarter while some served tier's
+        TPOT p95 is within 10% of its target, and up by two while all are under 60%, at most every 2 s (the
+        p95 needs that long to show a change)."""
+        if mode == LATENCY:
+            return self.config.latency
+        preset = self.config.throughput
+        if self.config.tpot_guard and observation.now - self._tuned_at >= 2.0:
+            self._tuned_at = observation.now
+            served = [t for t in self.tiers if shed_from is None or t.rank < shed_from]
+            ratios = [
+                observation.tpot_p95[t.name] / t.slo.tpot
+                for t in served
+                if t.slo.tpot and t.name in observation.tpot_p95
+            ]
+            worst = max(ratios, default=None)
+            floor = self.config.latency.max_num_seqs
+            if worst is not None and worst > 0.9:
+                self.seqs = max(floor, int(self.seqs * 0.75))
+            elif worst is None or worst < 0.6:
+                self.seqs = min(preset.max_num_seqs, self.seqs + 2)
+        return dataclasses.replace(preset, max_num_seqs=self.seqs)
+
+    def _changes(self, decision: Decision) -> tuple[str, ...]:
+        before = self.decision
+        if before is None:
+            return ("mode",)
+        changes = []
+        if decision.mode != before.mode:
+            changes.append("mode")
+        if decision.knobs != before.knobs:
+            changes.append("knobs")
+        if decision.routes != before.routes:
+            changes.append("route")
+        if decision.shed_from != before.shed_from:
+            changes.append("shed")
+        return tuple(changes)

@@ -1,0 +1,163 @@
+"""The controller in a running server: counts what arrives, keeps the tiers' promises on the ledger, and every tick
+hands the pure `Controller` an `Observation` of the engines (one per variant) and applies its `Decision`: the
+engines' knobs, which variant each tier runs on, which tiers the door refuses for now.
+
+The door (the HTTP routes, or a fleet gateway's) calls `arrived` for every request before anything else, then
+`refusal` (a 429 while its tier is shed, `Retry-After` the forecast drain time), `variant_for` (its tier's route,
+or the variant it pinned), and when the request ends `finished` with its measured TTFT and TPOT (or `shed`).
+Without a controller (a static configuration) the loop still keeps the ledger and its metrics, so the static
+baselines are measured by the same code.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from serve.control.controller import LATENCY, THROUGHPUT, Controller, Decision, Load, Observation, TierPolicy
+from serve.control.slo import Ledger, Slo
+from serve.metrics import ControlMetrics
+from serve.openai.protocol import ApiError
+from serve.tenancy.tenants import Caller, Tier
+
+LoadSource = Callable[
+    [], dict[str, Load]
+]  # per variant: waiting per tier, running, finished so far (cumulative)
+Apply = Callable[[Decision], None]  # sets the decision's knobs where the engines are
+
+
+def policies(tiers: tuple[Tier, ...]) -> list[TierPolicy]:
+    return [TierPolicy(t.name, t.rank, Slo.of(t), t.max_kl) for t in tiers]
+
+
+@dataclass(frozen=True)
+class Route:
+    variant: str
+    pinned: bool = False
+
+
+class ControlLoop:
+    def __init__(
+        self,
+        tiers: tuple[Tier, ...],
+        variants: list[str],
+        loads: LoadSource,
+        apply: Apply,
+        metrics: ControlMetrics,
+        controller: Controller | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        window: float = 30.0,
+    ) -> None:
+        self.tiers = {t.name: t for t in tiers}
+        self.variants = variants  # the most accurate first
+        self.loads, self.apply, self.metrics, self.controller, self.clock = (
+            loads,
+            apply,
+            metrics,
+            controller,
+            clock,
+        )
+        self.ledger = Ledger(window)
+        self.recent = Ledger(10.0)  # the TPOT the controller steers by: the last 10 s
+        self.decision: Decision | None = None
+        self._arrivals: dict[str, int] = {}
+        self._finished: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the door (any thread)
+
+    def arrived(self, caller: Caller) -> None:
+        with self._lock:
+            self._arrivals[caller.tier] = self._arrivals.get(caller.tier, 0) + 1
+
+    def refusal(self, caller: Caller) -> ApiError | None:
+        """The 429 for a request whose tier is shed now (counted), else None."""
+        decision = self.decision
+        if decision is None or decision.shed_from is None or caller.tier_rank < decision.shed_from:
+            return None
+        self.shed(caller)
+        retry = max(1, round(decision.retry_after))
+        return ApiError(
+            429,
+            f"the server is over capacity for tier {caller.tier!r}; higher tiers are served first: retry in {retry} s",
+            code="overloaded",
+            kind="rate_limit_error",
+            headers={"Retry-After": str(retry)},
+        )
+
+    def variant_for(self, caller: Caller, pinned: str | None = None) -> Route:
+        """The variant that answers: the one the request named, else its tier's route (the most accurate one
+        for a tier the controller has not moved, and always for the top tier)."""
+        if pinned is not None:
+            route = Route(pinned, True)
+        elif self.decision is not None and caller.tier in self.decision.routes:
+            route = Route(self.decision.routes[caller.tier])
+        else:
+            route = Route(self.variants[0])
+        self.metrics.variant_requests.labels(route.variant, caller.tier).inc()
+        return route
+
+    def finished(self, caller: Caller, ttft: float | None, tpot: float | None) -> None:
+        tier = self.tiers.get(caller.tier)
+        met = Slo.of(tier).met(ttft, tpot) if tier is not None else True
+        now = self.clock()
+        with self._lock:
+            self.ledger.finished(caller.tier, now, ttft, tpot, met)
+            self.recent.finished(caller.tier, now, ttft, tpot, met)
+        self.metrics.outcomes.labels(caller.tier, "met" if met else "missed").inc()
+
+    def shed(self, caller: Caller) -> None:
+        with self._lock:
+            self.ledger.shed(caller.tier, self.clock())
+        self.metrics.outcomes.labels(caller.tier, "shed").inc()
+
+    # ------------------------------------------------------------------ the tick (the loop's thread)
+
+    def tick(self) -> Decision | None:
+        now = self.clock()
+        with self._lock:
+            arrivals, self._arrivals = self._arrivals, {}
+            tpot = {
+                t: s.tpot_p95 for t in self.tiers if (s := self.recent.stats(t, now)).tpot_p95 is not None
+            }
+            stats = {t: self.ledger.stats(t, now) for t in self.tiers}
+        for name, tier_stats in stats.items():
+            if tier_stats.attainment is not None:
+                self.metrics.attainment.labels(name).set(tier_stats.attainment)
+            self.metrics.goodput.labels(name).set(tier_stats.goodput)
+        if self.controller is None:
+            return None
+        loads = {}
+        for variant, load in self.loads().items():
+            loads[variant] = Load(load.waiting, load.running, load.finished - self._finished.get(variant, 0))
+            self._finished[variant] = load.finished
+        decision = self.controller.step(Observation(now, arrivals, loads, tpot))
+        if decision.changes:
+            self.apply(decision)
+        self.decision = decision
+        self._report(decision)
+        return decision
+
+    def _report(self, decision: Decision) -> None:
+        metrics = self.metrics
+        for mode in (LATENCY, THROUGHPUT):
+            metrics.mode.labels(mode).set(1.0 if decision.mode == mode else 0.0)
+        metrics.forecast.set(decision.forecast)
+        metrics.capacity.set(decision.capacity or 0.0)
+        metrics.shed_from.set(-1 if decision.shed_from is None else decision.shed_from)
+        knobs = decision.knobs
+        for knob, value in (
+            ("max_num_seqs", knobs.max_num_seqs),
+            ("max_num_batched_tokens", knobs.max_num_batched_tokens),
+            ("prefill_chunk", knobs.prefill_chunk),
+            ("admission_wait", knobs.admission_wait),
+        ):
+            metrics.knobs.labels(knob).set(value)
+        for kind in decision.changes:
+            metrics.decisions.labels(kind).inc()
+
+    def run(self, stop: threading.Event, interval: float = 0.5) -> None:
+        while not stop.wait(interval):
+            self.tick()

@@ -1,0 +1,26 @@
+"""Errors as OpenAI's clients read them: the `{"error": {...}}` body, with the headers an error carries."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from serve.openai.protocol import ApiError
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    """The OpenAI error body; a 429 or 503 without headers of its own says Retry-After: 1."""
+    headers = dict(error.headers)
+    if error.status in (429, 503) and not headers:
+        headers["Retry-After"] = "1"
+    return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
+
+
+def session_not_found(user: str | None, session_id: str | None) -> ApiError:
+    """The 404 of a deletion that found nothing: the same words whether the session never existed or is another
+    tenant's."""
+    what = (
+        "session"
+        + (f" {session_id!r}" if session_id is not None else "s")
+        + (f" of user {user!r}" if user else "")
+    )
+    return ApiError(404, f"no stored {what} for this API key", "session_id", "session_not_found")

@@ -1,0 +1,74 @@
+"""The variants of the served model: artifacts built from one reference model (its int8 and int4 builds, say), each
+with its engine, and how far its answers are from the reference (the next-token KL its manifest measured).
+
+A server (or a fleet) answers to the model's name with whichever variant its controller routes a request to, the
+most accurate one unless the load says otherwise (`serve.control`); a request may pin a variant by naming it in
+`model`. The answer says which variant it came from: the `x-qpack-variant` header and `system_fingerprint`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from serve.engine import Engine
+from serve.openai.protocol import ApiError
+
+
+@dataclass(frozen=True)
+class Served:
+    name: str
+    version: str
+    kl: float  # measured next-token KL against the reference model (0: the reference itself)
+    content_hash: str
+    engine: Engine
+
+    @property
+    def fingerprint(self) -> str:
+        """OpenAI's `system_fingerprint`: which build answered."""
+        return f"qpack-{self.name}-{self.version}-{self.content_hash[:12]}"
+
+
+class Variants:
+    """The variants a server holds, most accurate first, answering to `model` (the reference's name)."""
+
+    def __init__(self, model: str, version: str, served: list[Served]) -> None:
+        if not served:
+            raise ValueError("a server needs at least one variant")
+        self.model, self.version = model, version
+        self.served = sorted(served, key=lambda s: s.kl)
+        self._by_name = {s.name: s for s in self.served}
+
+    @classmethod
+    def single(cls, engine: Engine, name: str, version: str, content_hash: str = "") -> Variants:
+        return cls(
+            name, version, [Served(name, version, 0.0, content_hash or engine.config.model_hash, engine)]
+        )
+
+    @property
+    def primary(self) -> Served:
+        return self.served[0]
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.served]
+
+    def __getitem__(self, name: str) -> Served:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[Served]:
+        return iter(self.served)
+
+    def __len__(self) -> int:
+        return len(self.served)
+
+    def pinned(self, model: object) -> str | None:
+        """The variant a request's `model` pins (None: the model's name, or no `model`: the router decides);
+        404 for a name served nowhere here."""
+        if model is None or model in (self.model, f"{self.model}:{self.version}"):
+            return None
+        for served in self.served:
+            if model in (served.name, f"{served.name}:{served.version}"):
+                return None if len(self.served) == 1 else served.name
+        names = ", ".join(dict.fromkeys([self.model, *self.names]))
+        raise ApiError(404, f"model {model!r} is not served here; use {names}", "model", "model_not_found")

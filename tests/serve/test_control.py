@@ -1,0 +1,197 @@
+"""The surge controller on simulated traces with an injected clock: a queue model of a server (capacity per
+variant, slower in latency mode, served highest tier first) driven through step, ramp, spike, steady and noisy
+arrivals. Decisions, hysteresis, shed order, routing before shedding, the SLO ledger and the forecasts."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from serve.control.controller import (
+    LATENCY,
+    THROUGHPUT,
+    ControlConfig,
+    Controller,
+    Decision,
+    Load,
+    Observation,
+    TierPolicy,
+    Variant,
+)
+from serve.control.forecast import Ewma, Holt, compare, poisson
+from serve.control.slo import Ledger, Slo
+
+TICK = 0.5
+TIERS = [
+    TierPolicy("priority", 0, Slo(ttft=1.0, tpot=0.2), max_kl=0.0),
+    TierPolicy("standard", 1, Slo(ttft=3.0, tpot=0.4), max_kl=0.05),
+    TierPolicy("free", 2, Slo(ttft=8.0, tpot=0.8)),
+]
+MIX = {"priority": 0.1, "standard": 0.6, "free": 0.3}
+
+
+@dataclass
+class Sim:
+    """A server as the controller sees it: each variant finishes up to its capacity a second (60% of it in
+    latency mode), highest tier first, from a queue per tier; refused requests never enter it."""
+
+    capacity: dict[str, float]
+    queues: dict[str, dict[str, float]] = field(default_factory=dict)
+    shed: dict[str, int] = field(default_factory=dict)
+    served: dict[str, int] = field(default_factory=dict)
+    waits: dict[str, list[float]] = field(default_factory=dict)
+
+    def run(self, controller: Controller, rates: list[float], seed: int = 0) -> list[Decision]:
+        rng = random.Random(seed)
+        decision: Decision | None = None
+        decisions = []
+        credit = dict.fromkeys(self.capacity, 0.0)
+        for index, rate in enumerate(rates):
+            now = index * TICK
+            arrivals = {t: poisson(rate * share * TICK, rng) for t, share in MIX.items()}
+            finished = dict.fromkeys(self.capacity, 0)
+            for tier, count in arrivals.items():
+                rank = next(t.rank for t in TIERS if t.name == tier)
+                if decision is not None and decision.shed_from is not None and rank >= decision.shed_from:
+                    self.shed[tier] = self.shed.get(tier, 0) + count
+                    continue
+                variant = decision.routes[tier] if decision else next(iter(self.capacity))
+                queue = self.queues.setdefault(variant, {})
+                queue[tier] = queue.get(tier, 0) + count
+            for variant, capacity in self.capacity.items():
+                speed = capacity * (0.6 if decision is None or decision.mode == LATENCY else 1.0)
+                credit[variant] += speed * TICK
+                queue = self.queues.setdefault(variant, {})
+                for tier in MIX:
+                    take = min(queue.get(tier, 0), int(credit[variant]))
+                    if take:
+                        backlog = sum(
+                            queue.get(t, 0) for t in MIX if list(MIX).index(t) <= list(MIX).index(tier)
+                        )
+                        self.waits.setdefault(tier, []).append(backlog / speed)
+                    queue[tier] = queue.get(tier, 0) - take
+                    credit[variant] -= take
+                    finished[variant] += take
+                    self.served[tier] = self.served.get(tier, 0) + take
+                credit[variant] = min(credit[variant], speed * TICK)
+            loads = {
+                v: Load({t: int(n) for t, n in self.queues.get(v, {}).items()}, 0, finished[v])
+                for v in self.capacity
+            }
+            decision = controller.step(Observation(now, arrivals, loads))
+            decisions.append(decision)
+        return decisions
+
+
+def surge(base: float = 4.0, peak: float = 14.0) -> list[float]:
+    """60 s at `base`, a rise to `peak` within 10 s held for 60 s, then back down for 40 s (req/s per tick)."""
+    rates = []
+    for index in range(int(170 / TICK)):
+        t = index * TICK
+        rates.append(base + (peak - base) * min(1.0, max(0.0, (t - 60) / 10)) if t < 130 else base)
+    return rates
+
+
+def controller(route: bool = True, variants: list[Variant] | None = None) -> Controller:
+    return Controller(ControlConfig(route=route), TIERS, variants or [Variant("int8", 0.001)])
+
+
+def test_the_mode_switches_within_two_seconds_of_a_step_and_holds_while_steady() -> None:
+    rates = [3.0] * 120 + [12.0] * 240  # a 4x step at 60 s against a capacity of 10/s
+    decisions = Sim({"int8": 10.0}).run(controller(), rates)
+    modes = [d.mode for d in decisions]
+    first_up = modes.index(THROUGHPUT, 120)
+    assert (first_up - 120) * TICK <= 2.0, first_up
+    switches = sum(a != b for a, b in itertools.pairwise(modes[170:]))
+    assert switches == 0  # steady overload: no oscillation
+    assert THROUGHPUT not in modes[20:120]  # steady base load well under capacity: stays in latency mode
+
+
+def test_overload_sheds_lowest_tier_first_never_the_top_and_keeps_the_top_tiers_wait() -> None:
+    sim = Sim({"int8": 10.0})
+    decisions = sim.run(controller(), surge(4.0, 35.0))
+    assert sim.shed.get("free", 0) > 0 and sim.shed.get("priority", 0) == 0
+    for decision in decisions:
+        assert decision.shed_from is None or decision.shed_from >= 1  # the top tier is never refused
+        if decision.shed_from is not None:
+            assert decision.retry_after >= 1.0
+    assert max(sim.waits["priority"]) <= TIERS[0].slo.ttft  # type: ignore[operator]
+    standard_waits = sorted(sim.waits["standard"])
+    assert standard_waits[int(0.95 * len(standard_waits))] <= TIERS[1].slo.ttft  # type: ignore[operator]
+    after = decisions[int(150 / TICK) :]
+    assert after[-1].shed_from is None and after[-1].mode == LATENCY  # back down once the surge is over
+
+
+def test_sheds_nothing_when_the_load_fits() -> None:
+    sim = Sim({"int8": 10.0})
+    decisions = sim.run(controller(), [6.0] * 300)
+    assert not sim.shed and all(d.shed_from is None for d in decisions)
+
+
+def test_routing_moves_lower_tiers_to_the_cheap_variant_before_shedding_within_their_budget() -> None:
+    variants = [Variant("int8", 0.001), Variant("int4", 0.1)]
+    routed = Sim({"int8": 10.0, "int4": 10.0})
+    decisions = routed.run(controller(variants=variants), surge(4.0, 17.0))
+    during = decisions[int(80 / TICK) : int(125 / TICK)]
+    assert all(d.routes["priority"] == "int8" for d in decisions)  # the top tier: the most accurate, always
+    assert any(d.routes["free"] == "int4" for d in during)
+    assert all(
+        d.routes["standard"] == "int8" for d in decisions
+    )  # int4's KL 0.1 is within free's budget only
+    alone = Sim({"int8": 10.0})
+    alone.run(controller(variants=[variants[0]]), surge(4.0, 17.0))
+    assert sum(routed.shed.values()) < sum(alone.shed.values())  # the spare variant's capacity shed less
+    assert decisions[-1].routes["free"] == "int8"  # back on the accurate variant after the surge
+    first_route = next(i for i, d in enumerate(decisions) if d.routes["free"] == "int4")
+    first_shed = next((i for i, d in enumerate(decisions) if d.shed_from is not None), len(decisions))
+    assert first_route <= first_shed
+
+
+def test_the_batch_cap_follows_the_measured_tpot() -> None:
+    control = controller()
+    loads = {"int8": Load({"standard": 50}, 32, 5)}
+    control.step(Observation(0.0, {"standard": 40}, loads))
+    slow = control.step(Observation(2.5, {"standard": 40}, loads, tpot_p95={"priority": 0.25}))
+    assert slow.mode == THROUGHPUT and slow.knobs.max_num_seqs == 24  # 0.25 s > 90% of priority's 0.2 s
+    held = control.step(Observation(3.0, {"standard": 40}, loads, tpot_p95={"priority": 0.25}))
+    assert held.knobs.max_num_seqs == 24  # at most every 2 s
+    fast = control.step(Observation(5.0, {"standard": 40}, loads, tpot_p95={"priority": 0.05}))
+    assert fast.knobs.max_num_seqs == 26
+
+
+def test_decisions_report_what_changed() -> None:
+    control = controller()
+    first = control.step(Observation(0.0, {}, {"int8": Load()}))
+    same = control.step(Observation(0.5, {}, {"int8": Load()}))
+    assert first.changes == ("mode",) and same.changes == ()
+    with pytest.raises(ValueError):
+        Controller(ControlConfig(), TIERS, [])
+
+
+def test_the_ledger_measures_attainment_goodput_and_p95_over_its_window() -> None:
+    ledger = Ledger(window=10.0)
+    slo = Slo(ttft=1.0, tpot=0.1)
+    for index in range(20):
+        ttft, tpot = 0.5 + index * 0.05, 0.05
+        ledger.finished("standard", float(index), ttft, tpot, slo.met(ttft, tpot))
+    ledger.shed("standard", 19.5)
+    stats = ledger.stats("standard", 19.5)
+    assert stats.served == 10 and stats.shed == 1  # the last 10 s only: requests 10..19, TTFT 1.0..1.45
+    assert stats.met == 1 and stats.attainment == pytest.approx(0.1) and stats.goodput == pytest.approx(0.1)
+    assert stats.ttft_p95 == pytest.approx(1.45) and stats.tpot_p95 == pytest.approx(0.05)
+    assert slo.met(0.9, None) and not slo.met(None, 0.05) and not slo.met(0.9, 0.2)
+    assert Slo().met(None, None)
+
+
+def test_holt_reacts_to_a_step_within_two_seconds_and_smooths_a_steady_rate() -> None:
+    table = compare({"holt": Holt, "ewma": lambda: Ewma(0.1)}, seeds=range(4))
+    assert table["holt"]["step"]["seconds_to_half"] <= 2.0
+    assert table["ewma"]["step"]["seconds_to_half"] > table["holt"]["step"]["seconds_to_half"]
+    assert table["holt"]["ramp"]["seconds_to_half"] < table["ewma"]["ramp"]["seconds_to_half"]
+    steady = Holt()
+    for _ in range(200):
+        steady.update(4.0)
+    assert steady.forecast(10) == pytest.approx(4.0)
