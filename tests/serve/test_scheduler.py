@@ -203,3 +203,46 @@ def test_a_higher_tier_takes_a_lower_tiers_seat_and_never_the_reverse() -> None:
         out = mock_step(s)
         assert not [p for p in out.preempted if p.tier_rank < 2]  # only free requests ever give way
     assert all(r.finished for r in (*free, urgent, late_free, standard)) and s.pool.num_free == 20
+
+
+def test_prefill_chunk_caps_a_prompts_tokens_per_step() -> None:
+    s = make(max_num_batched_tokens=64, prefill_chunk=5)
+    long, short = request("long", 12), request("short", 3)
+    s.add(long)
+    s.add(short)
+    out = s.schedule()
+    assert [(i.request.request_id, i.num_new) for i in out.scheduled] == [("long", 5), ("short", 3)]
+    s.commit(out)
+    assert [(i.start, i.num_new) for i in s.schedule().scheduled if i.request is long] == [(5, 5)]
+
+
+def test_admission_wait_holds_the_head_for_a_fuller_batch() -> None:
+    s = make(max_num_seqs=3, admission_wait=1.0)
+    first = request("first", 3)
+    first.arrival_time = 100.0
+    s.add(first)
+    assert not s.schedule(now=100.5).scheduled  # held: alone, and not yet waited its window
+    assert [i.request for i in s.schedule(now=101.0).scheduled] == [first]  # waited long enough
+    s = make(max_num_seqs=2, admission_wait=1.0)
+    pair = [request(f"r{i}", 3) for i in range(2)]
+    for r in pair:
+        r.arrival_time = 100.0
+        s.add(r)
+    assert len(s.schedule(now=100.1).scheduled) == 2  # enough to fill the free seats: no need to wait
+
+
+def test_a_full_queue_lets_the_newest_of_a_lower_tier_go_for_a_higher_one() -> None:
+    s = make(max_num_seqs=1, max_queue=2)
+    s.add(request("running", 3, tier="free"))
+    s.schedule()
+    old_free, new_free = request("old-free", 3, tier="free"), request("new-free", 3, tier="free")
+    assert s.add(old_free) and s.add(new_free)
+    assert not s.add(request("another-free", 3, tier="free"))  # full of its own tier: refused
+    urgent = request("urgent", 3, tier="priority")
+    assert s.add(urgent)
+    assert s.shed == [new_free] and new_free.finish_reason == "shed" and s.num_waiting == 2
+    assert s.add(request("standard", 3, tier="standard")) and s.shed[-1] is old_free
+    assert not s.add(
+        request("late-free", 3, tier="free")
+    )  # only higher tiers wait now: the free one is refused
+    assert [entry[1].request_id for entry in sorted(s.waiting)] == ["urgent", "standard"]
