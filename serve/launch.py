@@ -42,7 +42,14 @@ def run_server(
         run_worker(options, log)
         return
     assert tenants is not None
-    info = ServerInfo("fleet", "", tenants, options.request_timeout, options.max_request_bytes)
+    info = ServerInfo(
+        "fleet",
+        "",
+        tenants,
+        options.request_timeout,
+        options.max_request_bytes,
+        control=control_config(options),
+    )
     if options.role == "gateway":
         run_gateway(options, info, log)
     elif options.role == "all":
@@ -51,14 +58,16 @@ def run_server(
         _run_single(options, tenants, log)
 
 
+def control_config(options: ServeOptions) -> ControlConfig | None:
+    """The surge controller's settings around the configured limits (None without `control`)."""
+    if not options.control:
+        return None
+    return ControlConfig.around(options.max_num_seqs, options.max_num_batched_tokens, options.prefill_chunk)
+
+
 def _run_single(options: ServeOptions, tenants: TenantsSource, log: Callable[[str], None]) -> None:
     variants = start_variants(options, log)
     log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1; /health, /metrics)")
-    control = (
-        ControlConfig.around(options.max_num_seqs, options.max_num_batched_tokens, options.prefill_chunk)
-        if options.control
-        else None
-    )
     info = ServerInfo(
         variants.model,
         variants.version,
@@ -66,7 +75,7 @@ def _run_single(options: ServeOptions, tenants: TenantsSource, log: Callable[[st
         options.request_timeout,
         options.max_request_bytes,
         variants.primary.engine.numerics(),
-        control,
+        control_config(options),
     )
     app = create_app(variants, info)
     tenants.reload_on_sighup(log, app.state.tenant_metrics.reloaded)

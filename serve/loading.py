@@ -8,6 +8,7 @@ the way `qpack serve` does.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,13 +133,25 @@ def start_engine(
     return loaded, engine
 
 
+def reference_name(target: str) -> str:
+    """The name of the model an artifact was built from, from its manifest alone (no weights are read); a plain
+    model's own name."""
+    manifest = Path(target).expanduser() / "manifest.json"
+    try:
+        data = json.loads(manifest.read_text()) if manifest.is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise QpackError(f"{manifest} cannot be read ({exc}); fix `target`") from None
+    source = (data.get("source") or {}).get("model_id") if isinstance(data, dict) else None
+    return str(source or target).rstrip("/").rsplit("/", 1)[-1]
+
+
 def start_variants(options: ServeOptions, log: Callable[[str], None]) -> Variants:
     """`target` and every one of `variants`, each with its own engine (and KV pool of `kv_memory`), served under
     one name. They must be builds of one model: their manifests name the same source weights."""
     loaded = [start_engine(options, log, target) for target in (options.target or "", *options.variants)]
     if len(loaded) == 1:
         model, engine = loaded[0]
-        return Variants.single(engine, model.name, model.version, model.content_hash)
+        return Variants.single(engine, options.model_name or model.name, model.version, model.content_hash)
     first = loaded[0][0]
     strangers = [m.source for m, _engine in loaded if m.reference != first.reference]
     if strangers:
@@ -147,7 +160,7 @@ def start_variants(options: ServeOptions, log: Callable[[str], None]) -> Variant
             f"{', '.join(strangers)} came from another; serve it on its own"
         )
     served = [Served(m.name, m.version, m.kl, m.content_hash, engine) for m, engine in loaded]
-    variants = Variants(first.reference_name, first.version, served)
+    variants = Variants(options.model_name or first.reference_name, first.version, served)
     log(
         "variants: "
         + ", ".join(f"{s.name} (KL {s.kl:.5f})" for s in variants)

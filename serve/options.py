@@ -45,6 +45,9 @@ class ServeOptions:
     variants: tuple[str, ...] = ()
     """More artifacts of the same model (`qpack serve A B`: its int4 build beside the int8 one), each with its own
     engine and KV pool; with `control`, lower tiers move to the cheaper one under load."""
+    model_name: str | None = None
+    """The name this server or worker answers to (default: the artifact's, or with `variants` the name of the
+    model they were built from)."""
     host: str = "127.0.0.1"
     """Address to bind (default loopback only)."""
     port: int = 8000
@@ -211,6 +214,11 @@ class ServeOptions:
             "is required: an artifact or model to serve",
         )
         problems.check(self.workers >= 1, "workers", f"must be at least 1 (got {self.workers})")
+        problems.check(
+            not self.variants or self.role in ("single", "all"),
+            "variants",
+            f"need `role` single or all (a {self.role} serves one build or none)",
+        )
         problems.check(self.claim_idle > 0, "claim_idle", f"must be > 0 seconds (got {self.claim_idle})")
 
     def keys(self) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ SERVE = Options(
             help="Artifact directories (or a model) to serve; several: variants of one model, most accurate "
             "first by their measured KL (`qpack serve int8/ int4/`).",
         ),
+        "model_name",
         "host",
         "port",
         "kv_memory",

@@ -131,7 +131,8 @@ class ControlLoop:
             return None
         loads = {}
         for variant, load in self.loads().items():
-            loads[variant] = Load(load.waiting, load.running, load.finished - self._finished.get(variant, 0))
+            finished = max(0, load.finished - self._finished.get(variant, 0))  # a worker gone lowers the sum
+            loads[variant] = Load(load.waiting, load.running, finished)
             self._finished[variant] = load.finished
         decision = self.controller.step(Observation(now, arrivals, loads, tpot))
         if decision.changes:

@@ -34,9 +34,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from serve.control.loop import ControlLoop
 from serve.fleet import protocol as P
+from serve.fleet.control import FleetControl
 from serve.fleet.reader import ResponseReader
-from serve.metrics import TenantMetrics, TenantUsage
+from serve.metrics import ControlMetrics, TenantMetrics, TenantUsage
 from serve.openai import render
 from serve.openai.answers import Piece, disconnected, sse_events
 from serve.openai.protocol import ApiError, GenerationRequest, parse_json, parse_request, session_label
@@ -53,7 +55,7 @@ class GatewayConfig:
     redis_url: str
     max_queue: int = 256
     request_timeout: float = 600.0
-    info: ServerInfo = field(default_factory=lambda: ServerInfo("fleet", ""))
+    info: ServerInfo = field(default_factory=lambda: ServerInfo("fleet", ""))  # its `control`: the controller
 
 
 class GatewayMetrics:
@@ -89,6 +91,12 @@ class Gateway:
         self.redis = aioredis.Redis.from_url(config.redis_url, socket_timeout=5, socket_connect_timeout=3)
         self.metrics = GatewayMetrics()
         self.admission = RedisAdmission(self.redis)
+        self.control = FleetControl(
+            self.redis,
+            config.info.control,
+            config.info.tenants,
+            ControlMetrics(self.metrics.registry, "qpack_fleet"),
+        )
         self._workers: tuple[float, list[P.WorkerInfo]] = (0.0, [])
         self._depth: dict[str, tuple[float, int, int]] = {}
         self.reader: ResponseReader | None = (
@@ -112,6 +120,21 @@ class Gateway:
             self.metrics.worker_load.labels(worker=worker.worker_id).set(worker.load)
         return workers
 
+    def fingerprint(self, worker_id: str) -> str | None:
+        """The build a worker serves, as OpenAI's `system_fingerprint` (None for a worker not seen live)."""
+        return next((w.fingerprint for w in self._workers[1] if w.worker_id == worker_id), None)
+
+    async def run_control(self) -> None:
+        """Tick the controller for the gateway's lifetime; a Redis outage skips ticks, never ends the loop."""
+        tick = self.config.info.control.tick if self.config.info.control is not None else 0.5
+        while True:
+            await asyncio.sleep(tick)
+            try:
+                await self.control.tick(await self.live_workers())
+            except Exception as exc:  # Redis away: the door answers 503 meanwhile
+                self.metrics.redis_errors.inc()
+                _log.debug("fleet control tick skipped: %r", exc)
+
     async def queue_depth(self, model: str) -> int:
         """Entries of the model's streams that no worker has taken yet, measured at most every 0.2 s (one
         round trip over all its streams), plus what this gateway queued since."""
@@ -127,12 +150,11 @@ class Gateway:
         self._depth[model] = (measured_at, depth, added + 1)
 
     async def measure_depth(self, model: str) -> int:
-        """Length less pending entries over the model's streams (workers delete what they answered, so a
-        stream holds only queued and in-flight requests)."""
-        streams = [
-            P.model_stream(model),
-            *(P.worker_stream(w.worker_id) for w in await self.live_workers() if w.model == model),
-        ]
+        """Length less pending entries over the model's streams, its builds' shared ones and its workers' own
+        (workers delete what they answered, so a stream holds only queued and in-flight requests)."""
+        workers = [w for w in await self.live_workers() if w.model == model]
+        builds = sorted({w.build for w in workers} | {model})
+        streams = [*(P.model_stream(b) for b in builds), *(P.worker_stream(w.worker_id) for w in workers)]
         pipe = self.redis.pipeline(transaction=False)
         for stream in streams:
             pipe.xlen(stream)
@@ -149,7 +171,7 @@ class Gateway:
         """The session's worker on the consistent-hash ring, when it has room; else the shared stream."""
         owner = ring_owner(request.session, workers) if request.session else None
         if owner is None or owner.room <= 0:
-            return P.model_stream(request.model)
+            return P.model_stream(request.variant or request.model)
         return P.worker_stream(owner.worker_id)
 
     async def submit(
@@ -160,17 +182,14 @@ class Gateway:
         parsed = parse_request(body, chat)
         caller = self.config.info.tenants.current.caller(tenant, parsed.service_tier)
         workers = await self.live_workers()
-        models = sorted({w.model for w in workers})
-        model = body.get("model") or (models[0] if len(models) == 1 else None)
-        serving = [w for w in workers if w.model == model]
-        if not serving or not isinstance(model, str):
-            name = model or "any model"
-            raise ApiError(
-                503,
-                f"no live worker serves {name} (models: {', '.join(models) or 'none'})",
-                "model",
-                kind="unavailable",
-            )
+        model, pinned = _model_of(body.get("model"), workers)
+        control = self.control.loop_for(model, workers)
+        control.arrived(caller)
+        refusal = control.refusal(caller)
+        if refusal is not None:
+            raise refusal
+        build = control.variant_for(caller, pinned).variant
+        serving = _serving(workers, model, build)
         if await self.queue_depth(model) >= self.config.max_queue:
             raise ApiError(
                 429,
@@ -188,6 +207,7 @@ class Gateway:
             priority=parsed.priority,
             session=_session(caller.tenant, parsed),
             caller=caller.to_json(),
+            variant=serving[0].build,
         )
         headers = await self._admit(tenant, caller, request)
         try:
@@ -196,7 +216,8 @@ class Gateway:
             await self.admission.release(tenant, request.request_id)
             raise
         self.queued(model)
-        return request, parsed, caller, headers
+        self.control.queued(request.variant, caller.tier, +1)
+        return request, parsed, caller, {**headers, "x-qpack-variant": request.variant}
 
     async def _admit(self, tenant: Tenant, caller: Caller, request: P.FleetRequest) -> dict[str, str]:
         """The tenant's slot and request, decided in Redis (shared by every gateway); fails closed."""
@@ -309,6 +330,32 @@ def _point(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
+def _model_of(named: object, workers: list[P.WorkerInfo]) -> tuple[str, str | None]:
+    """The model a request's `model` asks for, and the build it pins when it names one (503 when no live
+    worker serves it)."""
+    models = sorted({w.model for w in workers})
+    if named is None and len(models) == 1:
+        return models[0], None
+    if named in models:
+        return str(named), None
+    pinned = next((w for w in workers if w.build == named), None)
+    if pinned is not None:
+        return pinned.model, pinned.build
+    name = named or "any model"
+    raise ApiError(
+        503,
+        f"no live worker serves {name} (models: {', '.join(models) or 'none'})",
+        "model",
+        kind="unavailable",
+    )
+
+
+def _serving(workers: list[P.WorkerInfo], model: str, build: str) -> list[P.WorkerInfo]:
+    """The live workers of `build`; when none is left, those of the model's most accurate build."""
+    mine = sorted((w for w in workers if w.model == model), key=lambda w: w.kl)
+    return [w for w in mine if w.build == build] or [w for w in mine if w.build == mine[0].build]
+
+
 def _session(tenant: str, parsed: GenerationRequest) -> str | None:
     """What routes a request to the worker holding its KV: the tenant's session, user, or the prompt's start."""
     if parsed.session_id or parsed.user:
@@ -325,7 +372,9 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        ticking = asyncio.create_task(gateway.run_control())
         yield
+        ticking.cancel()
         state["draining"] = True
         if gateway.reader is not None:
             await gateway.reader.aclose()
@@ -405,12 +454,28 @@ async def _forget(gateway: Gateway, tenant: Tenant, user: str | None, session_id
 
 @dataclass
 class _Answer:
-    """One request on its way through the gateway: what its answer is counted and stamped with."""
+    """One request on its way through the gateway: what its answer is counted and stamped with, and its timing,
+    measured here, for the controller's ledger."""
 
     request: P.FleetRequest
     tenant: Tenant
     caller: Caller
+    control: ControlLoop
     arrived: float = field(default_factory=time.monotonic)
+    first: float | None = None
+
+    def saw(self, chunk: P.Chunk) -> None:
+        if chunk.kind in ("delta", "done") and chunk.ids and self.first is None:
+            self.first = time.monotonic()
+
+    def done(self, usage: dict[str, Any] | None) -> None:
+        """The answer ended well: its TTFT and TPOT go on the ledger against its tier's promise."""
+        tokens = int((usage or {}).get("completion_tokens") or 0)
+        if self.first is None:
+            self.control.finished(self.caller, None, None)
+            return
+        tpot = (time.monotonic() - self.first) / (tokens - 1) if tokens > 1 else None
+        self.control.finished(self.caller, self.first - self.arrived, tpot)
 
 
 async def _respond(gateway: Gateway, request: Request, chat: bool) -> Response:
@@ -430,9 +495,10 @@ async def _respond(gateway: Gateway, request: Request, chat: bool) -> Response:
         return error_response(
             ApiError(503, "the fleet's queue (Redis) is unreachable; retry", kind="unavailable")
         )
-    answer = _Answer(fleet_request, tenant, caller)
+    answer = _Answer(fleet_request, tenant, caller, gateway.control.loop_for(fleet_request.model, []))
     stream = gateway.chunks(fleet_request, tenant)
     first = await anext(stream)
+    gateway.control.queued(fleet_request.variant, caller.tier, -1)
     if first.kind == "error":
         await stream.aclose()
         metrics.outcome(first.status, caller, tenant)
@@ -450,14 +516,21 @@ async def _respond(gateway: Gateway, request: Request, chat: bool) -> Response:
                 answer,
                 stream,
                 render.Chunks(
-                    fleet_request.request_id, chat, created, fleet_request.model, caller.service_tier
+                    fleet_request.request_id,
+                    chat,
+                    created,
+                    fleet_request.model,
+                    caller.service_tier,
+                    gateway.fingerprint(first.worker),
                 ),
                 parsed.include_usage,
             ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", **headers},
         )
-    response = await _whole(gateway, request, answer, stream, chat, created)
+    response = await _whole(
+        gateway, request, answer, stream, chat, created, gateway.fingerprint(first.worker)
+    )
     response.headers.update(headers)
     return response
 
@@ -470,23 +543,32 @@ def _count_usage(gateway: Gateway, caller: Caller, usage: dict[str, Any] | None)
 
 
 def _models(workers: list[P.WorkerInfo]) -> dict[str, Any]:
-    """`/v1/models`: each model live workers announce, with its version, content hash, worker count and the
-    prefill precisions its workers run."""
+    """`/v1/models`: each model live workers announce, with its version, content hash, worker count, the prefill
+    precisions its workers run, and its builds (variants) with their measured KL, most accurate first."""
     by_model: dict[str, list[P.WorkerInfo]] = {}
     for worker in workers:
         by_model.setdefault(worker.model, []).append(worker)
-    data = [
-        {
-            "id": m,
-            "object": "model",
-            "owned_by": "qpack",
-            "version": ws[0].version,
-            "content_hash": ws[0].content_hash,
-            "workers": len(ws),
-            "prefill_dtypes": sorted({w.prefill_dtype for w in ws}),
-        }
-        for m, ws in sorted(by_model.items())
-    ]
+    data = []
+    for model, mine in sorted(by_model.items()):
+        builds: dict[str, list[P.WorkerInfo]] = {}
+        for worker in sorted(mine, key=lambda w: w.kl):
+            builds.setdefault(worker.build, []).append(worker)
+        variants = [
+            {"id": b, "kl": ws[0].kl, "workers": len(ws), "system_fingerprint": ws[0].fingerprint}
+            for b, ws in builds.items()
+        ]
+        data.append(
+            {
+                "id": model,
+                "object": "model",
+                "owned_by": "qpack",
+                "version": mine[0].version,
+                "content_hash": mine[0].content_hash,
+                "workers": len(mine),
+                "prefill_dtypes": sorted({w.prefill_dtype for w in mine}),
+                "variants": variants,
+            }
+        )
     return {"object": "list", "data": data}
 
 
@@ -497,11 +579,12 @@ async def _whole(
     stream: AsyncIterator[P.Chunk],
     chat: bool,
     created: int,
+    fingerprint: str | None,
 ) -> Response:
     """A non-streaming answer; a client that goes away cancels the request on its worker."""
     fleet_request, caller = answer.request, answer.caller
     text: list[str] = []
-    reader = asyncio.ensure_future(_collect(stream, text))
+    reader = asyncio.ensure_future(_collect(stream, text, answer))
     gone = asyncio.ensure_future(disconnected(request))
     await asyncio.wait({reader, gone}, return_when=asyncio.FIRST_COMPLETED)
     if not reader.done():
@@ -516,6 +599,7 @@ async def _whole(
         return _chunk_error(final)
     gateway.metrics.outcome(200, caller, answer.tenant)
     _count_usage(gateway, caller, final.usage)
+    answer.done(final.usage)
     usage = final.usage or {}
     choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish_reason}
     joined = "".join(text)
@@ -529,6 +613,7 @@ async def _whole(
             "created": created,
             "model": fleet_request.model,
             "service_tier": caller.service_tier,
+            "system_fingerprint": fingerprint,
             "choices": [choice],
             "usage": usage,
         }
@@ -551,8 +636,9 @@ def _chunk_error(chunk: P.Chunk, headers: dict[str, str] | None = None) -> Respo
     )
 
 
-async def _collect(stream: AsyncIterator[P.Chunk], text: list[str]) -> P.Chunk:
+async def _collect(stream: AsyncIterator[P.Chunk], text: list[str], answer: _Answer) -> P.Chunk:
     async for chunk in stream:
+        answer.saw(chunk)
         if chunk.kind == "delta":
             text.append(chunk.text)
         elif chunk.kind in ("done", "error"):
@@ -575,11 +661,13 @@ def _events(
 
     async def pieces() -> AsyncIterator[Piece]:
         async for chunk in stream:
+            answer.saw(chunk)
             if chunk.kind == "delta":
                 yield Piece(chunk.text)
             elif chunk.kind == "done":
                 metrics.outcome(200, caller, answer.tenant)
                 _count_usage(gateway, caller, chunk.usage)
+                answer.done(chunk.usage)
                 yield Piece(chunk.text, True, chunk.finish_reason, chunk.usage)
                 return
             elif chunk.kind == "error":

@@ -1,11 +1,14 @@
 """What gateways and workers say to each other through Redis: key names and message shapes.
 
 Layout (all keys under `qpack:`):
-- `worker:{id}`: a hash a worker refreshes every second (model name, version, content hash, capacity, load,
-  last seen) with a short TTL; `workers` maps every worker id seen to its model (kept after a worker dies, so
-  its leftover entries go to a worker of the same model; stale ones are skipped, empty ones removed).
-- `w:{id}`: a worker's own request stream (sessions routed to it); `m:{model}`: the model's shared stream
-  (requests without a session, or whose worker is full or gone). Both have the consumer group `workers`:
+- `worker:{id}`: a hash a worker refreshes every second (model name, its variant and that variant's measured
+  KL, version, content hash, capacity, load, and its engine's queue per tier, running and finished requests for
+  the gateway's controller, last seen) with a short TTL; `workers` maps every worker id seen to its variant
+  (kept after a worker dies, so its leftover entries go to a worker of the same variant: an answer is never
+  continued on another build; stale ones are skipped, empty ones removed).
+- `w:{id}`: a worker's own request stream (sessions routed to it); `m:{variant}`: the variant's shared stream
+  (requests without a session, or whose worker is full or gone). A model with one build has one variant named
+  as the model. Both have the consumer group `workers`:
   a worker reads its own stream and its model's shared stream with XREADGROUP, only as many entries as its
   scheduler has room for, and XACKs an entry when the request is answered. Entries a dead worker left pending
   are claimed by another worker with XAUTOCLAIM once idle for `claim_idle` (live workers re-claim their own
@@ -19,6 +22,8 @@ Layout (all keys under `qpack:`):
   than regenerating it and relying on float-identical replay: the client sees one coherent answer with no
   duplicate and no gap, and no generated token is lost to a crash.
 - `cancel:{request id}`: set by a gateway whose client went away; the worker aborts the request.
+- `control:{model}`: the knobs the gateway's surge controller set (a hash with a version); workers read it with
+  their heartbeat and apply it to their engine's scheduler.
 - A `forget` entry (tenant, user, session, reply stream) in every live worker's own stream: a session deletion
   (privacy request) that each worker applies to its pool and tiers, only among that tenant's sessions, answering
   on the reply stream how many blocks it removed (-1: no such session there).
@@ -87,6 +92,10 @@ def cancel_key(request_id: str) -> str:
     return f"{PREFIX}cancel:{request_id}"
 
 
+def control_key(model: str) -> str:
+    return f"{PREFIX}control:{model}"
+
+
 @dataclass
 class FleetRequest:
     """A request as a gateway queues it: the parsed OpenAI body, with everything that must not vary between a
@@ -102,8 +111,9 @@ class FleetRequest:
     session: str | None = None
     created: float = field(default_factory=time.time)
     caller: dict[str, Any] | None = (
-        None  # the gateway's stamp (`Caller.to_json`): who is asking, at which tier
+        None  # the gateway's stamp (`Caller.to_json`): who is asking, at what tier
     )
+    variant: str = ""  # the build that must answer (routed or pinned); empty: the model's only one
 
     def encode(self) -> dict[FieldT, EncodableT]:
         return {"request": json.dumps(asdict(self))}
@@ -209,18 +219,32 @@ class WorkerInfo:
     load: int
     last_seen: float
     prefill_dtype: str = "float32"  # how its engine prefills (workers of one model may differ)
+    variant: str = ""  # the build it serves (empty: the model's only one, named as the model)
+    kl: float = 0.0  # that build's measured next-token KL against the reference model
+    waiting: dict[str, int] = field(default_factory=dict)  # its engine's queue per tier
+    running: int = 0
+    finished: int = 0  # requests its engine finished since it started
 
     @property
     def room(self) -> int:
         return max(0, self.capacity - self.load)
 
+    @property
+    def build(self) -> str:
+        return self.variant or self.model
+
+    @property
+    def fingerprint(self) -> str:
+        return f"qpack-{self.build}-{self.version}-{self.content_hash[:12]}"
+
     def fields(self) -> dict[FieldT, EncodableT]:
-        return {k: str(v) for k, v in asdict(self).items()}
+        return {k: json.dumps(v) if isinstance(v, dict) else str(v) for k, v in asdict(self).items()}
 
     @classmethod
     def parse(cls, fields: Fields) -> WorkerInfo | None:
         try:
             data = {text(k): text(v) for k, v in fields.items()}
+            waiting = json.loads(data.get("waiting", "{}"))
             return cls(
                 data["worker_id"],
                 data["model"],
@@ -230,6 +254,11 @@ class WorkerInfo:
                 int(data["load"]),
                 float(data["last_seen"]),
                 data.get("prefill_dtype", "float32"),
+                data.get("variant", ""),
+                float(data.get("kl", 0.0)),
+                {str(k): int(v) for k, v in waiting.items()} if isinstance(waiting, dict) else {},
+                int(data.get("running", 0)),
+                int(data.get("finished", 0)),
             )
-        except (KeyError, ValueError, UnicodeDecodeError):
+        except (KeyError, ValueError, TypeError, AttributeError, UnicodeDecodeError):
             return None

@@ -20,7 +20,7 @@ from quantize.common.errors import QpackError
 from serve.fleet.gateway import Gateway, GatewayConfig, create_gateway_app
 from serve.fleet.worker import FleetWorker, WorkerConfig
 from serve.http import BackgroundServer, serve_app
-from serve.loading import start_engine
+from serve.loading import reference_name, start_engine
 from serve.openai.routes import ServerInfo
 from serve.options import ServeOptions
 
@@ -59,9 +59,11 @@ def run_worker(options: ServeOptions, log: Callable[[str], None]) -> None:
     loaded, engine = start_engine(options, log)
     config = WorkerConfig(
         url,
-        loaded.name,
+        options.model_name or loaded.name,
         loaded.version,
         loaded.content_hash,
+        variant=loaded.name if options.model_name else "",
+        kl=loaded.kl,
         claim_idle_s=options.claim_idle,
         request_timeout=options.request_timeout,
     )
@@ -97,12 +99,16 @@ def worker_app(worker: FleetWorker) -> FastAPI:
 
 
 def worker_options(options: ServeOptions, index: int) -> ServeOptions:
-    """The options of a `--role all` gateway's INDEX-th worker: the same model and engine limits, its own port
-    after the gateway's, one thread unless --threads says otherwise, its /health and /metrics on loopback, and no
-    API keys or tenants (a worker serves no API and trusts the gateway's stamp; its options travel on a command
-    line)."""
+    """The options of a `--role all` gateway's INDEX-th worker: the same engine limits, the targets in turn (with
+    `variants`, under the name of the model they were built from), its own port after the gateway's, one thread
+    unless --threads says otherwise, its /health and /metrics on loopback, and no API keys or tenants (a worker
+    serves no API and trusts the gateway's stamp; its options travel on a command line)."""
+    targets = (options.target or "", *options.variants)
     return dataclasses.replace(
         options,
+        target=targets[index % len(targets)],
+        variants=(),
+        model_name=options.model_name or (reference_name(targets[0]) if len(targets) > 1 else None),
         role="worker",
         host="127.0.0.1",
         port=options.port + 1 + index,
@@ -114,8 +120,14 @@ def worker_options(options: ServeOptions, index: int) -> ServeOptions:
 
 
 def run_all(options: ServeOptions, info: ServerInfo, log: Callable[[str], None]) -> None:
-    """A gateway here and `--workers` worker processes, each on its own port after the gateway's."""
+    """A gateway here and `--workers` worker processes, each on its own port after the gateway's; with
+    `variants`, the workers take the targets in turn and answer to the name of the model they were built from."""
     check_redis(_redis_url(options))
+    targets = (options.target or "", *options.variants)
+    if options.workers < len(targets):
+        raise QpackError(
+            f"`workers` {options.workers} cannot serve {len(targets)} variants; give one each at least"
+        )
     workers = [
         subprocess.Popen(
             [sys.executable, "-m", "serve.fleet.worker_process", worker_options(options, index).to_json()]

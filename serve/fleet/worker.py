@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from serve.control.controller import Knobs
 from serve.engine import Engine, RequestOutput
 from serve.fleet import protocol as P
 from serve.openai.answers import engine_refusals
@@ -50,9 +51,11 @@ _log = logging.getLogger("qpack.fleet")
 @dataclass
 class WorkerConfig:
     redis_url: str
-    name: str
+    name: str  # the model it answers to
     version: str
     content_hash: str
+    variant: str = ""  # its build, when the model has several (default: the model's name)
+    kl: float = 0.0  # that build's measured next-token KL against the reference
     worker_id: str = field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
@@ -86,7 +89,9 @@ class FleetWorker:
         self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=10, socket_connect_timeout=5)
         self.tokens = RedisTokens(self.redis)
         self.own = P.worker_stream(config.worker_id)
-        self.shared = P.model_stream(config.name)
+        self.variant = config.variant or config.name
+        self.shared = P.model_stream(self.variant)
+        self.knobs_version = ""
         self.capacity = engine.config.max_num_seqs + engine.config.max_queue // 4
         self.inflight: dict[str, _InFlight] = {}
         self.claimed = 0
@@ -147,6 +152,9 @@ class FleetWorker:
                     raise
 
     def _heartbeat(self) -> None:
+        """Announce this worker (and its engine's load, for the gateway's controller), and take up the knobs the
+        controller last set for this model."""
+        load = self.engine.load()
         info = P.WorkerInfo(
             self.config.worker_id,
             self.config.name,
@@ -156,12 +164,36 @@ class FleetWorker:
             len(self.inflight),
             time.time(),
             self.engine.config.prefill_dtype,
+            self.variant,
+            self.config.kl,
+            load.waiting,
+            load.running,
+            load.finished,
         )
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(P.worker_key(self.config.worker_id), mapping=info.fields())
         pipe.expire(P.worker_key(self.config.worker_id), max(1, int(self.config.ttl_s)))
-        pipe.hset(P.WORKERS, self.config.worker_id, self.config.name)
-        pipe.execute()
+        pipe.hset(P.WORKERS, self.config.worker_id, self.variant)
+        pipe.hgetall(P.control_key(self.config.name))
+        *_done, knobs = pipe.execute()
+        self._take_knobs(knobs)
+
+    def _take_knobs(self, fields: P.Fields) -> None:
+        data = {P.text(k): P.text(v) for k, v in (fields or {}).items()}
+        if not data or data.get("version") == self.knobs_version:
+            return
+        try:
+            knobs = Knobs(
+                int(data["max_num_seqs"]),
+                int(data["max_num_batched_tokens"]),
+                int(data["prefill_chunk"]),
+                float(data.get("admission_wait", 0.0)),
+            )
+        except (KeyError, ValueError) as exc:
+            _log.warning("fleet worker: ignoring malformed knobs %s (%s)", data, exc)
+            return
+        self.engine.configure(knobs)
+        self.knobs_version = data.get("version", "")
 
     # ------------------------------------------------------------------ taking work
 
@@ -208,7 +240,7 @@ class FleetWorker:
         streams = []
         for raw_id, raw_model in self.redis.hgetall(P.WORKERS).items():
             worker = P.text(raw_id)
-            if worker == self.config.worker_id or P.text(raw_model) != self.config.name:
+            if worker == self.config.worker_id or P.text(raw_model) != self.variant:
                 continue
             info = P.WorkerInfo.parse(self.redis.hgetall(P.worker_key(worker)))
             if info is None or time.time() - info.last_seen > self.config.ttl_s:
@@ -243,9 +275,10 @@ class FleetWorker:
             return
         if request.request_id in self.inflight:
             return  # already ours (a claim racing our own read)
-        if request.model != self.config.name:  # adopted from a worker of another model: hand it back
+        wanted = request.variant or request.model
+        if wanted != self.variant:  # adopted from a worker of another build: hand it back
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(P.model_stream(request.model), request.encode())
+            pipe.xadd(P.model_stream(wanted), request.encode())
             pipe.xack(stream, P.GROUP, entry_id)
             pipe.xdel(stream, entry_id)
             pipe.execute()

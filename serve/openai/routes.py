@@ -151,38 +151,9 @@ def create_app(target: Engine | Variants, info: ServerInfo) -> FastAPI:
     tenant_metrics, control_metrics = TenantMetrics(registry, "qpack"), ControlMetrics(registry, "qpack")
     control = _control_loop(variants, info, control_metrics)
     generation = Generation(variants, info.tenants, control, tenant_metrics, info.request_timeout)
-    stop_event = threading.Event()
     state: dict[str, Any] = {"draining": False, "threads": []}
     engines = [served.engine for served in variants]
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        threads = [
-            threading.Thread(target=e.run, args=(stop_event,), name=f"qpack-engine-{s.name}", daemon=True)
-            for s, e in zip(variants, engines, strict=True)
-        ]
-        threads.append(
-            threading.Thread(target=control.run, args=(stop_event,), name="qpack-control", daemon=True)
-        )
-        for thread in threads:
-            thread.start()
-        state["threads"] = threads
-        try:
-            yield
-        finally:
-            state["draining"] = True
-            while any(e.has_work() for e in engines):
-                await asyncio.sleep(0.05)
-            stop_event.set()
-            for engine in engines:
-                engine.wake()
-            for thread in threads:
-                thread.join(timeout=10)
-            generation.shutdown()
-            for engine in engines:
-                engine.close()
-
-    app = FastAPI(title="qpack serve", lifespan=lifespan)
+    app = FastAPI(title="qpack serve", lifespan=_lifespan(variants, control, generation, state))
     app.state.variants = variants
     app.state.info = info
     app.state.control = control
@@ -225,15 +196,58 @@ def create_app(target: Engine | Variants, info: ServerInfo) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if len(variants) == 1:
-            body = render_metrics(registry, variants.primary.engine.metrics.registry)
-        else:
-            merged = CollectorRegistry()
-            merged.register(Labelled("variant", {s.name: s.engine.metrics.registry for s in variants}))
-            body = render_metrics(registry, merged)
-        return Response(body, media_type="text/plain; version=0.0.4")
+        return Response(_metrics(registry, variants), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _lifespan(
+    variants: Variants, control: ControlLoop, generation: Generation, state: dict[str, Any]
+) -> Callable[[FastAPI], Any]:
+    """Each variant's engine on a thread and the controller's loop on another, from start-up; at shutdown,
+    requests finish (the server drains), then the threads stop and the engines write out their tiers."""
+    stop_event = threading.Event()
+    engines = [served.engine for served in variants]
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        threads = [
+            threading.Thread(
+                target=s.engine.run, args=(stop_event,), name=f"qpack-engine-{s.name}", daemon=True
+            )
+            for s in variants
+        ]
+        threads.append(
+            threading.Thread(target=control.run, args=(stop_event,), name="qpack-control", daemon=True)
+        )
+        for thread in threads:
+            thread.start()
+        state["threads"] = threads
+        try:
+            yield
+        finally:
+            state["draining"] = True
+            while any(e.has_work() for e in engines):
+                await asyncio.sleep(0.05)
+            stop_event.set()
+            for engine in engines:
+                engine.wake()
+            for thread in threads:
+                thread.join(timeout=10)
+            generation.shutdown()
+            for engine in engines:
+                engine.close()
+
+    return lifespan
+
+
+def _metrics(registry: CollectorRegistry, variants: Variants) -> bytes:
+    """The server's own metrics and its engines': one engine's as they are, several labelled by variant."""
+    if len(variants) == 1:
+        return render_metrics(registry, variants.primary.engine.metrics.registry)
+    merged = CollectorRegistry()
+    merged.register(Labelled("variant", {s.name: s.engine.metrics.registry for s in variants}))
+    return render_metrics(registry, merged)
 
 
 def _control_loop(variants: Variants, info: ServerInfo, metrics: ControlMetrics) -> ControlLoop:

@@ -1,0 +1,108 @@
+"""The surge controller at a fleet gateway: the same `ControlLoop` and `Controller` as a single server, one per
+model, fed from what the gateway sees of the whole fleet.
+
+Each tick the gateway reads its live workers (their heartbeats carry each engine's queue per tier, running and
+finished requests, and the build it serves with that build's measured KL) and adds what it has queued in Redis
+that no worker has accepted yet. The decision's routes and refusals apply at this gateway's door; its knobs go
+to `control:{model}` in Redis, where every worker of the model picks them up with its next heartbeat (about a
+second later). Variants are the builds the workers announce: when a build's first worker joins (or its last
+one leaves) the model's loop is rebuilt, its forecasts and capacity learned again.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve.control.controller import ControlConfig, Controller, Decision, Load, Variant
+from serve.control.loop import ControlLoop, policies
+from serve.fleet import protocol as P
+from serve.metrics import ControlMetrics
+from serve.tenancy.tenants import TenantsSource
+
+
+@dataclass
+class _Model:
+    loop: ControlLoop
+    builds: tuple[tuple[str, float], ...]
+    loads: dict[str, Load] = field(default_factory=dict)
+    published: Decision | None = None
+
+
+class FleetControl:
+    def __init__(
+        self, redis: Any, config: ControlConfig | None, tenants: TenantsSource, metrics: ControlMetrics
+    ) -> None:
+        self.redis, self.config, self.tenants, self.metrics = redis, config, tenants, metrics
+        self.models: dict[str, _Model] = {}
+        self.unaccepted: dict[str, dict[str, int]] = {}  # build -> tier -> queued here, not yet taken
+
+    def loop_for(self, model: str, workers: list[P.WorkerInfo]) -> ControlLoop:
+        """The model's loop over the builds its live workers serve (most accurate first)."""
+        builds = tuple(sorted({(w.build, w.kl) for w in workers if w.model == model}, key=lambda b: b[1]))
+        known = self.models.get(model)
+        if known is not None and (known.builds == builds or not builds):
+            return known.loop
+        tiers = self.tenants.current.tiers
+        controller = None
+        if self.config is not None:
+            controller = Controller(self.config, policies(tiers), [Variant(name, kl) for name, kl in builds])
+        state = _Model(
+            ControlLoop(
+                tiers, [name for name, _kl in builds], lambda: {}, lambda _d: None, self.metrics, controller
+            ),
+            builds,
+        )
+        state.loop.loads = lambda: state.loads
+        self.models[model] = state
+        return state.loop
+
+    def queued(self, build: str, tier: str, delta: int) -> None:
+        tiers = self.unaccepted.setdefault(build, {})
+        tiers[tier] = max(0, tiers.get(tier, 0) + delta)
+
+    async def tick(self, workers: list[P.WorkerInfo]) -> None:
+        """One tick of every model's loop; knobs that changed are published for its workers."""
+        for model in list(self.models):
+            loop = self.loop_for(model, workers)
+            state = self.models[model]
+            state.loads = self._loads(model, workers)
+            decision = loop.tick()
+            if decision is not None and decision.knobs != (
+                state.published.knobs if state.published else None
+            ):
+                await self._publish(model, decision)
+                state.published = decision
+
+    def _loads(self, model: str, workers: list[P.WorkerInfo]) -> dict[str, Load]:
+        loads: dict[str, Load] = {}
+        for worker in workers:
+            if worker.model != model:
+                continue
+            load = loads.get(worker.build, Load())
+            waiting = dict(load.waiting)
+            for tier, count in worker.waiting.items():
+                waiting[tier] = waiting.get(tier, 0) + count
+            loads[worker.build] = Load(
+                waiting, load.running + worker.running, load.finished + worker.finished
+            )
+        for build, load in loads.items():
+            waiting = dict(load.waiting)
+            for tier, count in self.unaccepted.get(build, {}).items():
+                waiting[tier] = waiting.get(tier, 0) + count
+            loads[build] = Load(waiting, load.running, load.finished)
+        return loads
+
+    async def _publish(self, model: str, decision: Decision) -> None:
+        knobs = decision.knobs
+        fields = {
+            "max_num_seqs": knobs.max_num_seqs,
+            "max_num_batched_tokens": knobs.max_num_batched_tokens,
+            "prefill_chunk": knobs.prefill_chunk,
+            "admission_wait": knobs.admission_wait,
+            "mode": decision.mode,
+            "version": f"{time.time():.3f}-{uuid.uuid4().hex[:6]}",
+        }
+        await self.redis.hset(P.control_key(model), mapping=fields)
