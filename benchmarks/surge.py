@@ -8,8 +8,10 @@ without precision routing, on one server or a fleet, in one sitting.
    TTFT, TPOT and service time.
 2. **The trace.** Poisson arrivals at 0.4 C for 60 s, rising to `--peak` x C within 10 s, held 120 s, back to 0.4 C
    for 40 s (times x `--scale`); tiers drawn 10% priority, 60% standard, 30% free, each a tenant of its own
-   with its tier's SLO; ShareGPT first user turns, up to `--max-tokens` tokens each. The same arrivals go to
-   every run.
+   with its tier's SLO (by default from step 1: a first token within max(1.5 s, 6 x the unloaded TTFT) for
+   priority, 2.5x that for standard, 6x for free; tokens every 2 x the loaded TPOT, 1.5x, 2.5x); ShareGPT
+   first user turns, up to `--max-tokens` tokens each. The same arrivals go to every run. Standard and free
+   may be routed to a variant within 1.5x the variant's measured KL; priority never.
 3. **Runs**, each on a fresh server: (a) a static latency configuration (a small batch and prefill chunks),
    (b) a static throughput configuration (`--max-num-seqs 32`), (c1) (b) with a batching window of the
    average latency x 1.5, (c2) (b) with a window of the average processing time / 2 (the design's two static
@@ -66,6 +68,7 @@ class Arrival:
 class Outcome:
     tier: str
     at: float
+    end: float | None = None  # seconds into the trace when its last byte came
     status: int = 0
     ttft: float | None = None
     tpot: float | None = None
@@ -113,10 +116,8 @@ def tenants_file(path: Path, ttft: list[float], tpot: list[float], free_kl: floa
         lines += [f"ttft_ms = {first * 1000:.0f}", f"tpot_ms = {each * 1000:.0f}"]
         if tier == "priority":
             lines.append("max_kl = 0.0")
-        elif tier == "standard":
-            lines.append("max_kl = 0.0")  # standard answers stay on the accurate variant
         elif free_kl is not None:
-            lines.append(f"max_kl = {free_kl}")
+            lines.append(f"max_kl = {free_kl}")  # standard and free may run on a build within this KL
         lines.append("")
     for tier in TIERS:
         lines += [f"[tenants.{tier}-co]", f'keys = ["{KEYS[tier]}"]', f'tier = "{tier}"', ""]
@@ -160,6 +161,7 @@ async def one(
     except (httpx.HTTPError, ValueError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
         return outcome
+    outcome.end = time.perf_counter() - t0
     if first is not None:
         outcome.ttft = first - started
         if outcome.tokens > 1 and last is not None:
@@ -266,8 +268,8 @@ def summarize(
             "ttft_s": {q: percentile(ttft, q) for q in (50, 95, 99)},
             "tpot_s": {q: percentile(tpot, q) for q in (50, 95)},
         }
-    served = [o for o in outcomes if o["status"] == 200]
-    surge = [o for o in served if window[0] <= o["at"] < window[1]]
+    served = [o for o in outcomes if o["status"] == 200 and o["end"] is not None]
+    finish = max((o["end"] for o in served), default=end)
     shares: dict[str, int] = {}
     for o in served:
         if o["variant"]:
@@ -276,11 +278,26 @@ def summarize(
     return {
         "tiers": tiers,
         "goodput_rps": sum(t["goodput_rps"] for t in tiers.values()),
-        "tokens_per_s": sum(o["tokens"] for o in served) / end,
-        "surge_tokens_per_s": sum(o["tokens"] for o in surge) / max(1e-9, window[1] - window[0]),
+        "tokens_per_s": sum(o["tokens"] for o in served) / finish,
+        "surge_tokens_per_s": _tokens_within(served, window) / max(1e-9, window[1] - window[0]),
         "variant_share": {v: n / total for v, n in shares.items()},
         "quality_cost_kl": sum(n / total * kl.get(v, 0.0) for v, n in shares.items()),
     }
+
+
+def _tokens_within(outcomes: list[dict[str, Any]], window: tuple[float, float]) -> float:
+    """Tokens generated inside `window`, each answer's tokens spread evenly from its first to its last byte."""
+    total = 0.0
+    for o in outcomes:
+        if o["ttft"] is None or not o["tokens"]:
+            continue
+        start, stop = o["at"] + o["ttft"], o["end"]
+        if stop <= start:
+            total += o["tokens"] if window[0] <= stop < window[1] else 0
+            continue
+        overlap = max(0.0, min(stop, window[1]) - max(start, window[0]))
+        total += o["tokens"] * overlap / (stop - start)
+    return total
 
 
 def controller_timing(
@@ -425,7 +442,7 @@ def _arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _configs(measured: dict[str, float], variant: str | None) -> dict[str, list[str]]:
+def _configs(measured: dict[str, float], variant: str | None, capacity: float) -> dict[str, list[str]]:
     latency = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--prefill-chunk", "128"]
     throughput = ["--max-num-seqs", "32", "--max-num-batched-tokens", "1024"]
     wait_latency = round(1.5 * measured["loaded_e2e_s"], 3)
@@ -435,8 +452,14 @@ def _configs(measured: dict[str, float], variant: str | None) -> dict[str, list[
         "b": throughput,
         "c1": [*throughput, "--admission-wait", str(wait_latency)],
         "c2": [*throughput, "--admission-wait", str(wait_processing)],
-        "d": [*throughput, "--control"],
-        "e": [*throughput, "--control", *([variant] if variant else [])],
+        "d": [*throughput, "--control", "--control-capacity", f"{capacity:.3f}"],
+        "e": [
+            *throughput,
+            "--control",
+            "--control-capacity",
+            f"{capacity:.3f}",
+            *([variant] if variant else []),
+        ],
     }
 
 
@@ -469,19 +492,20 @@ def main() -> None:
     ttft = (
         [float(x) for x in args.ttft.split(",")]
         if args.ttft
-        else [round(max(1.0, 4 * measured["unloaded_ttft_s"]) * k, 2) for k in (1, 3, 8)]
+        else [round(max(1.5, 6 * measured["unloaded_ttft_s"]) * k, 2) for k in (1, 2.5, 6)]
     )
     tpot = (
         [float(x) for x in args.tpot.split(",")]
         if args.tpot
-        else [round(1.25 * measured["loaded_tpot_s"] * k, 3) for k in (1, 2, 4)]
+        else [round(2 * measured["loaded_tpot_s"] * k, 3) for k in (1, 1.5, 2.5)]
     )
     slo = dict(zip(TIERS, zip(ttft, tpot, strict=True), strict=True))
     kl = _variant_kl([args.artifact, *([args.variant] if args.variant else [])])
-    tenants = tenants_file(out / "tenants.toml", ttft, tpot, None)
+    budget = 1.5 * max(kl.values()) if len(kl) > 1 else None
+    tenants = tenants_file(out / "tenants.toml", ttft, tpot, budget)
     arrivals = trace(measured["capacity_rps"], args.peak, args.scale, args.seed, len(requests))
     phases = (60 * args.scale, 70 * args.scale, 190 * args.scale)
-    configs = _configs(measured, args.variant)
+    configs = _configs(measured, args.variant, measured["capacity_rps"])
     report: dict[str, Any] = {
         "command": sys.argv,
         "measured": measured,

@@ -62,7 +62,9 @@ def control_config(options: ServeOptions) -> ControlConfig | None:
     """The surge controller's settings around the configured limits (None without `control`)."""
     if not options.control:
         return None
-    return ControlConfig.around(options.max_num_seqs, options.max_num_batched_tokens, options.prefill_chunk)
+    return ControlConfig.around(
+        options.max_num_seqs, options.max_num_batched_tokens, options.prefill_chunk, options.control_capacity
+    )
 
 
 def _run_single(options: ServeOptions, tenants: TenantsSource, log: Callable[[str], None]) -> None:

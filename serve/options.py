@@ -71,6 +71,9 @@ class ServeOptions:
     control: bool = False
     """Run the surge controller: latency or throughput mode from the traffic forecast, shedding the lowest tier
     first and routing lower tiers to cheaper `variants` under load, against the tiers' SLOs (`tenants_file`)."""
+    control_capacity: float | None = None
+    """Requests/s this server finishes at full load (`qpack bench serve` measures it): lets the controller act on
+    the first surge's forecast, before it has measured one itself."""
     max_model_len: int | None = None
     """Context limit (default: the model's)."""
     request_timeout: float = 600.0
@@ -187,6 +190,11 @@ class ServeOptions:
         )
         problems.check(
             self.admission_wait >= 0, "admission_wait", f"must be >= 0 seconds (got {self.admission_wait})"
+        )
+        problems.check(
+            self.control_capacity is None or self.control_capacity > 0,
+            "control_capacity",
+            f"must be > 0 requests/s (got {self.control_capacity})",
         )
         problems.check_choice(self.kv_dtype, "kv_dtype", KV_DTYPE_NAMES)
         problems.check_choice(self.kv_codec, "kv_codec", CODECS)

@@ -44,6 +44,7 @@ SERVE = Options(
         "prefill_chunk",
         "admission_wait",
         Option("control", ("--control/--no-control",)),
+        "control_capacity",
         "max_model_len",
         "request_timeout",
         Option("api_keys", ("--api-key",), envvar="QPACK_API_KEY"),

@@ -1,5 +1,5 @@
-"""The surge controller: every tick, from what arrived and what is queued, the engine's knobs, which tiers run on
-which variant, and which tiers are refused for now.
+"""The surge controller: every tick, from what arrived and what is queued, the engine's knobs, how much of each tier
+runs on which variant, and which tiers are refused for now.
 
 Pure and tensor-free like `serve/scheduler.py`, with the time inside each `Observation`, so that a simulated
 trace drives it deterministically (`tests/serve/test_control.py`); `serve.control.loop` feeds it from a server,
@@ -7,24 +7,26 @@ and the fleet gateway from Redis and its workers' heartbeats.
 
 Each tick:
 1. **Forecast** each tier's arrival rate over the next `horizon` seconds (`forecast.Holt`, chosen by measurement).
-2. **Capacity**: the requests a second each variant finishes in throughput mode while it has a queue (an EWMA
-   of those ticks only). Until three such ticks have been seen it is unknown, and nothing is routed or shed on
-   a guess.
-3. **Mode**, with hysteresis: throughput (a larger batch, a larger prefill budget and chunk) as soon as the
-   forecast load passes `rise` of capacity or a queue builds past a quarter of the tightest first-token target,
-   that is before the queue would have grown from the forecast alone; back to latency (a small batch and small
-   prefill chunks, so tokens come fast) only once the forecast has stayed under `fall` of capacity with nothing
-   waiting for `dwell` seconds in a row. In throughput mode the batch cap follows the measured TPOT: it shrinks
-   while some tier's p95 nears its target and grows back when there is room.
-4. **Routing** (several variants of one model): the top tier always runs on the most accurate variant; when the
-   forecast overloads it, tiers move to the cheaper variant lowest first, each only if the variant's measured
-   KL is within the tier's `max_kl`; they come back when the load falls under `fall`.
+2. **Capacity**: the requests a second each variant finishes while busy (requests waiting, or every seat taken),
+   over the last `capacity_window` seconds of busy time; until two busy seconds are seen it is `capacity`, the
+   operator's figure (`qpack bench serve` measures it) when given, else unknown, and nothing is routed or shed
+   on a guess.
+3. **Mode**, with hysteresis: throughput (a larger batch, a larger prefill budget) as soon as the forecast load
+   passes `rise` of capacity or a queue builds past a quarter of the tightest first-token target, so before the
+   queue when the forecast sees the rise coming; back to latency (a small batch and small prefill chunks, so
+   tokens come fast) only once the forecast has stayed under `fall` of capacity with nothing waiting for `dwell`
+   seconds in a row. In throughput mode the batch (seats, token budget and prefill chunk together) follows the
+   measured TPOT: it shrinks while some served tier's p95 nears its target and grows back when there is room.
+4. **Routing** (several variants of one model): the top tier always runs on the most accurate variant. When the
+   forecast load on it passes `rise` of its capacity, the excess moves to the cheaper variant, lowest tier first:
+   a tier whole, then a share of the next (`shares`), each only if the variant's measured KL is within the
+   tier's `max_kl`; the shares fall back to nothing in latency mode.
 5. **Shedding**, only after routing: a tier is refused (429, `Retry-After` the forecast time for its queue to
-   drain) while the wait predicted for its next request, the queue of its own and higher tiers on its variant
-   over the capacity those leave it, passes `margin` of its first-token target; it is admitted again under half
-   of it. Refusals are monotone: when a tier is shed every lower tier is too, and the top tier never is. So a
-   higher tier is never refused while a lower one is admitted (and the scheduler never preempts one for a lower
-   one).
+   drain) while the wait predicted for its next request (the queue of its own and higher tiers on the variants
+   it runs on, over the capacity those leave) passes `margin` of its first-token target; it is admitted again
+   under half of it. Refusals are monotone: when a tier is shed every lower tier is too, and the top tier never
+   is. So a higher tier is never refused while a lower one is admitted (nor does the scheduler ever preempt one
+   for a lower one).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from serve.control.forecast import Ewma, Holt
+from serve.control.forecast import Holt
 from serve.control.slo import Slo
 
 LATENCY, THROUGHPUT = "latency", "throughput"
@@ -88,11 +90,19 @@ class Decision:
     mode: str
     knobs: Knobs
     forecast: float  # requests/s expected over the horizon, all tiers
-    capacity: float | None  # requests/s the variants finish while queued, all together
+    capacity: float | None  # requests/s the variants finish while busy, all together
     shed_from: int | None  # tiers of this rank and lower are refused
     retry_after: float
-    routes: dict[str, str]  # tier -> variant
+    shares: dict[str, float]  # tier -> the share of its requests that runs on the cheaper variant
+    accurate: str = ""  # the most accurate variant
+    cheap: str | None = None  # the cheaper variant (None with one)
     changes: tuple[str, ...] = ()  # what this tick changed: mode, knobs, route, shed
+
+    def routes(self) -> dict[str, str]:
+        """Tier -> the variant most of its requests run on."""
+        return {
+            t: self.cheap if self.cheap and share > 0.5 else self.accurate for t, share in self.shares.items()
+        }
 
 
 @dataclass(frozen=True)
@@ -108,18 +118,47 @@ class ControlConfig:
     shed: bool = True
     route: bool = True
     tpot_guard: bool = True
+    capacity: float | None = None  # requests/s at full load, when the operator knows it (learned anyway)
+    capacity_window: float = 20.0
 
     @classmethod
     def around(
-        cls, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int | None
+        cls,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_chunk: int | None,
+        capacity: float | None = None,
     ) -> ControlConfig:
-        """Modes around a server's configured limits: throughput mode is them (prefill chunks of half the budget
-        unless set); latency mode a quarter of the batch, a quarter of the budget, chunks of an eighth."""
+        """Modes around a server's configured limits: throughput mode is them (prefill chunks of a quarter of the
+        budget unless set: a long prompt's chunk never stalls every running stream for long); latency mode a
+        quarter of the batch, a quarter of the budget, chunks of an eighth."""
         budget = max_num_batched_tokens
         return cls(
             latency=Knobs(max(2, max_num_seqs // 4), max(128, budget // 4), max(64, budget // 8)),
-            throughput=Knobs(max_num_seqs, budget, prefill_chunk or max(64, budget // 2)),
+            throughput=Knobs(max_num_seqs, budget, prefill_chunk or max(64, budget // 4)),
+            capacity=capacity,
         )
+
+
+@dataclass
+class Capacity:
+    """Requests a variant finishes a second while busy, over the last `window` seconds of busy ticks."""
+
+    window: float
+    hint: float | None = None
+    ticks: list[tuple[float, int]] = field(default_factory=list)  # (busy seconds, finished), newest last
+
+    def add(self, seconds: float, finished: int) -> None:
+        self.ticks.append((seconds, finished))
+        while sum(t for t, _ in self.ticks[1:]) >= self.window:
+            self.ticks.pop(0)
+
+    @property
+    def level(self) -> float | None:
+        seconds = sum(t for t, _ in self.ticks)
+        if seconds >= 2.0:
+            return sum(n for _, n in self.ticks) / seconds
+        return self.hint
 
 
 class Controller:
@@ -130,15 +169,14 @@ class Controller:
         self.tiers = sorted(tiers, key=lambda t: t.rank)
         self.variants = sorted(variants, key=lambda v: v.kl)
         self.forecasts: dict[str, Holt] = {t.name: Holt() for t in self.tiers}
-        self.capacity: dict[str, Ewma] = {v.name: Ewma(0.2) for v in self.variants}
-        self.samples: dict[str, int] = dict.fromkeys(self.capacity, 0)
+        self.capacity = {v.name: Capacity(config.capacity_window) for v in self.variants}
+        self.capacity[self.variants[0].name].hint = config.capacity
         self.mode, self.last = LATENCY, None  # type: str, float | None
         self.calm_since: float | None = None  # since when the load has been low enough for latency mode
-        self.seqs = config.throughput.max_num_seqs
+        self.scale = 1.0  # of the throughput knobs, steered by the measured TPOT
         self._tuned_at = -1e9
-        self.routed: set[str] = set()
         self.shed_from: int | None = None
-        self._queued: dict[str, bool] = {}
+        self._busy: dict[str, bool] = {}
         self.decision: Decision | None = None
 
     # ------------------------------------------------------------------ one tick
@@ -153,22 +191,27 @@ class Controller:
         rates = {t.name: self.forecasts[t.name].forecast(steps) for t in self.tiers}
         self._learn_capacity(observation, elapsed)
         mode = self._mode(sum(rates.values()), observation, now)
-        routes = self._routes(rates, mode)
-        shed_from, retry_after = self._shed(rates, routes, observation)
+        shares = self._shares(rates, mode)
+        shed_from, retry_after = self._shed(rates, shares, observation)
         knobs = self._knobs(mode, observation, shed_from)
+        cheap = self.variants[1].name if len(self.variants) > 1 else None
         decision = Decision(
-            mode, knobs, sum(rates.values()), self.total_capacity(), shed_from, retry_after, routes
+            mode,
+            knobs,
+            sum(rates.values()),
+            self.total_capacity(),
+            shed_from,
+            retry_after,
+            shares,
+            self.variants[0].name,
+            cheap,
         )
         decision = dataclasses.replace(decision, changes=self._changes(decision))
         self.decision = decision
         return decision
 
     def _known(self) -> dict[str, float]:
-        return {
-            name: c.level
-            for name, c in self.capacity.items()
-            if c.level is not None and self.samples[name] >= 3
-        }
+        return {name: level for name, c in self.capacity.items() if (level := c.level) is not None}
 
     def total_capacity(self) -> float | None:
         known = self._known()
@@ -182,14 +225,14 @@ class Controller:
         return sum(known.values()) / len(known) if known else None
 
     def _learn_capacity(self, observation: Observation, elapsed: float) -> None:
-        """A tick counts when it ran in throughput mode and the variant had a queue at its start and at its end: it
-        finished as fast as it can."""
+        """A tick counts when it ran in throughput mode and the variant was busy at its start and at its end
+        (requests waiting, or every seat taken): it finished as fast as it can."""
+        seats = self.decision.knobs.max_num_seqs if self.decision is not None else 1
         for variant, load in observation.loads.items():
-            queued = sum(load.waiting.values()) > 0
-            if queued and self._queued.get(variant) and self.mode == THROUGHPUT and variant in self.capacity:
-                self.capacity[variant].update(load.finished / elapsed)
-                self.samples[variant] += 1
-            self._queued[variant] = queued
+            busy = sum(load.waiting.values()) > 0 or load.running >= seats
+            if busy and self._busy.get(variant) and self.mode == THROUGHPUT and variant in self.capacity:
+                self.capacity[variant].add(elapsed, load.finished)
+            self._busy[variant] = busy
 
     # ------------------------------------------------------------------ mode
 
@@ -212,69 +255,68 @@ class Controller:
             self.mode = THROUGHPUT
         elif self.mode == THROUGHPUT and calm and now - (self.calm_since or now) >= self.config.dwell:
             self.mode = LATENCY
-            self.seqs = self.config.throughput.max_num_seqs
+            self.scale = 1.0
         return self.mode
 
     # ------------------------------------------------------------------ routing
 
-    def _routes(self, rates: dict[str, float], mode: str) -> dict[str, str]:
-        accurate = self.variants[0]
-        routes = {t.name: accurate.name for t in self.tiers}
+    def _shares(self, rates: dict[str, float], mode: str) -> dict[str, float]:
+        """Per tier, the share of its requests the cheaper variant takes: the forecast load past `rise` of the
+        accurate variant's capacity, lowest tier first, within each tier's quality budget."""
+        shares = {t.name: 0.0 for t in self.tiers}
         cheap = self.variants[1] if len(self.variants) > 1 else None
-        if cheap is None or not self.config.route:
-            return routes
-        movable = [
-            t for t in reversed(self.tiers) if t.rank > 0 and (t.max_kl is None or cheap.kl <= t.max_kl)
-        ]
-        if mode == LATENCY:
-            self.routed.clear()
-        else:
-            capacity = self._capacity_of(accurate.name)
-            if capacity:
-                on_accurate = sum(rate for name, rate in rates.items() if name not in self.routed)
-                for tier in movable:  # lowest first
-                    if on_accurate <= self.config.rise * capacity:
-                        break
-                    if tier.name not in self.routed:
-                        self.routed.add(tier.name)
-                        on_accurate -= rates[tier.name]
-                for tier in reversed(movable):  # highest routed first back, with room to spare
-                    if (
-                        tier.name in self.routed
-                        and on_accurate + rates[tier.name] < self.config.fall * capacity
-                    ):
-                        self.routed.discard(tier.name)
-                        on_accurate += rates[tier.name]
-        for name in self.routed:
-            routes[name] = cheap.name
-        return routes
+        capacity = self._capacity_of(self.variants[0].name)
+        if cheap is None or not self.config.route or mode == LATENCY or not capacity:
+            return shares
+        excess = sum(rates.values()) - self.config.rise * capacity
+        for tier in reversed(self.tiers):  # lowest first; never the top tier
+            if excess <= 0 or tier.rank == 0:
+                break
+            if tier.max_kl is not None and cheap.kl > tier.max_kl:
+                continue
+            rate = rates[tier.name]
+            moved = min(rate, excess)
+            shares[tier.name] = moved / rate if rate > 0 else 1.0
+            excess -= moved
+        return shares
 
     # ------------------------------------------------------------------ shedding
 
     def _waits(
-        self, rates: dict[str, float], routes: dict[str, str], observation: Observation
+        self, rates: dict[str, float], shares: dict[str, float], observation: Observation
     ) -> dict[int, float]:
-        """Per tier rank, the seconds its next request is predicted to wait on its variant: the queue of its own
-        and higher tiers there, over the capacity that the higher tiers' forecast arrivals leave."""
+        """Per tier rank, the seconds its next request is predicted to wait on the variants it runs on (the
+        longest of them): the queue of its own and higher tiers there, over the capacity the higher tiers'
+        forecast arrivals leave."""
         waits: dict[int, float] = {}
+        names = [v.name for v in self.variants]
         for tier in self.tiers:
-            variant = routes[tier.name]
-            capacity = self._capacity_of(variant)
-            load = observation.loads.get(variant, Load())
-            if not capacity:
-                continue
-            peers = [t for t in self.tiers if routes[t.name] == variant]
-            ahead = sum(load.waiting.get(t.name, 0) for t in peers if t.rank <= tier.rank)
-            higher = sum(rates[t.name] for t in peers if t.rank < tier.rank)
-            waits[tier.rank] = ahead / max(0.05 * capacity, capacity - higher)
+            worst: float | None = None
+            for index, variant in enumerate(names[:2]):
+                share = shares[tier.name] if index else 1.0 - shares[tier.name]
+                capacity = self._capacity_of(variant)
+                if share <= 0 or not capacity:
+                    continue
+                load = observation.loads.get(variant, Load())
+                part = [
+                    (t, shares[t.name] if index else 1.0 - shares[t.name])
+                    for t in self.tiers
+                    if t.rank <= tier.rank
+                ]
+                ahead = sum(load.waiting.get(t.name, 0) for t, p in part if p > 0)
+                higher = sum(rates[t.name] * p for t, p in part if t.rank < tier.rank)
+                wait = ahead / max(0.05 * capacity, capacity - higher)
+                worst = wait if worst is None else max(worst, wait)
+            if worst is not None:
+                waits[tier.rank] = worst
         return waits
 
     def _shed(
-        self, rates: dict[str, float], routes: dict[str, str], observation: Observation
+        self, rates: dict[str, float], shares: dict[str, float], observation: Observation
     ) -> tuple[int | None, float]:
         if not self.config.shed:
             return None, 0.0
-        waits = self._waits(rates, routes, observation)
+        waits = self._waits(rates, shares, observation)
         shed_from: int | None = None
         for tier in self.tiers[1:]:
             target, wait = tier.slo.ttft, waits.get(tier.rank)
@@ -294,12 +336,12 @@ class Controller:
     # ------------------------------------------------------------------ knobs
 
     def _knobs(self, mode: str, observation: Observation, shed_from: int | None) -> Knobs:
-        """The mode's preset; in throughput mode the batch cap steps down by a quarter while some served tier's
-        TPOT p95 is within 10% of its target, and up by two while all are under 60%, at most every 2 s (the
-        p95 needs that long to show a change)."""
+        """The mode's preset; in throughput mode scaled (seats, token budget and prefill chunk together, never
+        under the latency preset): down by a quarter while some served tier's TPOT p95 is within 10% of its
+        target, up by a tenth while all are under 60%, at most every 2 s (the p95 needs that long to show it)."""
+        latency, preset = self.config.latency, self.config.throughput
         if mode == LATENCY:
-            return self.config.latency
-        preset = self.config.throughput
+            return latency
         if self.config.tpot_guard and observation.now - self._tuned_at >= 2.0:
             self._tuned_at = observation.now
             served = [t for t in self.tiers if shed_from is None or t.rank < shed_from]
@@ -309,12 +351,20 @@ class Controller:
                 if t.slo.tpot and t.name in observation.tpot_p95
             ]
             worst = max(ratios, default=None)
-            floor = self.config.latency.max_num_seqs
             if worst is not None and worst > 0.9:
-                self.seqs = max(floor, int(self.seqs * 0.75))
+                self.scale = max(0.0, self.scale * 0.75)
             elif worst is None or worst < 0.6:
-                self.seqs = min(preset.max_num_seqs, self.seqs + 2)
-        return dataclasses.replace(preset, max_num_seqs=self.seqs)
+                self.scale = min(1.0, self.scale + 0.1)
+
+        def scaled(low: int, high: int) -> int:
+            return max(low, round(high * self.scale))
+
+        return Knobs(
+            scaled(latency.max_num_seqs, preset.max_num_seqs),
+            scaled(latency.max_num_batched_tokens, preset.max_num_batched_tokens),
+            scaled(latency.prefill_chunk, preset.prefill_chunk),
+            preset.admission_wait,
+        )
 
     def _changes(self, decision: Decision) -> tuple[str, ...]:
         before = self.decision
@@ -325,7 +375,7 @@ class Controller:
             changes.append("mode")
         if decision.knobs != before.knobs:
             changes.append("knobs")
-        if decision.routes != before.routes:
+        if decision.shares != before.shares:
             changes.append("route")
         if decision.shed_from != before.shed_from:
             changes.append("shed")

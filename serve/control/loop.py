@@ -64,6 +64,7 @@ class ControlLoop:
         self.decision: Decision | None = None
         self._arrivals: dict[str, int] = {}
         self._finished: dict[str, int] = {}
+        self._credit: dict[str, float] = {}  # per tier: its share of the cheaper variant, accumulated
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ the door (any thread)
@@ -88,14 +89,20 @@ class ControlLoop:
         )
 
     def variant_for(self, caller: Caller, pinned: str | None = None) -> Route:
-        """The variant that answers: the one the request named, else its tier's route (the most accurate one
-        for a tier the controller has not moved, and always for the top tier)."""
+        """The variant that answers: the one the request named, else the most accurate one, or the cheaper one
+        for the share of its tier the controller moved there (spread evenly: each tier's requests carry a
+        running credit of that share, and go to the cheaper variant whenever it reaches one)."""
+        decision = self.decision
         if pinned is not None:
             route = Route(pinned, True)
-        elif self.decision is not None and caller.tier in self.decision.routes:
-            route = Route(self.decision.routes[caller.tier])
-        else:
+        elif decision is None or decision.cheap is None:
             route = Route(self.variants[0])
+        else:
+            with self._lock:
+                credit = self._credit.get(caller.tier, 0.0) + decision.shares.get(caller.tier, 0.0)
+                moved = credit >= 1.0 - 1e-9
+                self._credit[caller.tier] = credit - 1.0 if moved else credit
+            route = Route(decision.cheap if moved else decision.accurate)
         self.metrics.variant_requests.labels(route.variant, caller.tier).inc()
         return route
 

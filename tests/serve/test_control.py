@@ -16,6 +16,7 @@ from serve.control.controller import (
     ControlConfig,
     Controller,
     Decision,
+    Knobs,
     Load,
     Observation,
     TierPolicy,
@@ -43,6 +44,17 @@ class Sim:
     shed: dict[str, int] = field(default_factory=dict)
     served: dict[str, int] = field(default_factory=dict)
     waits: dict[str, list[float]] = field(default_factory=dict)
+    routed: dict[str, int] = field(default_factory=dict)
+    credit: dict[str, float] = field(default_factory=dict)
+
+    def _route(self, decision: Decision | None, tier: str) -> str:
+        """As the server's door does: the cheaper variant for the tier's share, spread evenly."""
+        if decision is None or decision.cheap is None:
+            return next(iter(self.capacity))
+        credit = self.credit.get(tier, 0.0) + decision.shares[tier]
+        moved = credit >= 1.0 - 1e-9
+        self.credit[tier] = credit - 1.0 if moved else credit
+        return decision.cheap if moved else decision.accurate
 
     def run(self, controller: Controller, rates: list[float], seed: int = 0) -> list[Decision]:
         rng = random.Random(seed)
@@ -58,9 +70,11 @@ class Sim:
                 if decision is not None and decision.shed_from is not None and rank >= decision.shed_from:
                     self.shed[tier] = self.shed.get(tier, 0) + count
                     continue
-                variant = decision.routes[tier] if decision else next(iter(self.capacity))
-                queue = self.queues.setdefault(variant, {})
-                queue[tier] = queue.get(tier, 0) + count
+                for _ in range(count):
+                    variant = self._route(decision, tier)
+                    queue = self.queues.setdefault(variant, {})
+                    queue[tier] = queue.get(tier, 0) + 1
+                    self.routed[variant] = self.routed.get(variant, 0) + 1
             for variant, capacity in self.capacity.items():
                 speed = capacity * (0.6 if decision is None or decision.mode == LATENCY else 1.0)
                 credit[variant] += speed * TICK
@@ -131,23 +145,33 @@ def test_sheds_nothing_when_the_load_fits() -> None:
     assert not sim.shed and all(d.shed_from is None for d in decisions)
 
 
-def test_routing_moves_lower_tiers_to_the_cheap_variant_before_shedding_within_their_budget() -> None:
+def test_routing_moves_the_excess_lowest_tier_first_within_budgets_before_shedding() -> None:
+    """Two variants with capacities of their own (a fleet's): the excess over the accurate one's moves to the
+    cheaper one, the free tier whole before a share of standard, never priority; standard's budget here allows
+    int4 (its KL 0.1 within 0.2)."""
+    tiers = [TIERS[0], TierPolicy("standard", 1, Slo(ttft=3.0, tpot=0.4), max_kl=0.2), TIERS[2]]
     variants = [Variant("int8", 0.001), Variant("int4", 0.1)]
     routed = Sim({"int8": 10.0, "int4": 10.0})
-    decisions = routed.run(controller(variants=variants), surge(4.0, 17.0))
+    decisions = routed.run(Controller(ControlConfig(), tiers, variants), surge(4.0, 17.0))
     during = decisions[int(80 / TICK) : int(125 / TICK)]
-    assert all(d.routes["priority"] == "int8" for d in decisions)  # the top tier: the most accurate, always
-    assert any(d.routes["free"] == "int4" for d in during)
-    assert all(
-        d.routes["standard"] == "int8" for d in decisions
-    )  # int4's KL 0.1 is within free's budget only
+    assert all(d.shares["priority"] == 0.0 for d in decisions)  # the top tier: the most accurate, always
+    assert all(d.shares["standard"] == 0.0 or d.shares["free"] == 1.0 for d in decisions)  # lowest first
+    assert max(d.shares["free"] for d in during) == 1.0 and max(d.shares["standard"] for d in during) > 0.0
     alone = Sim({"int8": 10.0})
-    alone.run(controller(variants=[variants[0]]), surge(4.0, 17.0))
-    assert sum(routed.shed.values()) < sum(alone.shed.values())  # the spare variant's capacity shed less
-    assert decisions[-1].routes["free"] == "int8"  # back on the accurate variant after the surge
-    first_route = next(i for i, d in enumerate(decisions) if d.routes["free"] == "int4")
+    alone.run(Controller(ControlConfig(), tiers, variants[:1]), surge(4.0, 17.0))
+    assert sum(routed.shed.values()) < sum(alone.shed.values()) / 4  # the spare variant took the excess
+    assert routed.served.get("priority", 0) == alone.served.get("priority", 0)
+    assert decisions[-1].shares == {"priority": 0.0, "standard": 0.0, "free": 0.0}  # back after the surge
+    first_route = next(i for i, d in enumerate(decisions) if d.shares["free"] > 0)
     first_shed = next((i for i, d in enumerate(decisions) if d.shed_from is not None), len(decisions))
     assert first_route <= first_shed
+
+
+def test_a_tier_outside_its_quality_budget_is_never_moved() -> None:
+    variants = [Variant("int8", 0.001), Variant("int4", 0.1)]
+    decisions = Sim({"int8": 10.0, "int4": 10.0}).run(controller(variants=variants), surge(4.0, 17.0))
+    assert any(d.shares["free"] > 0 for d in decisions)
+    assert all(d.shares["standard"] == 0.0 for d in decisions)  # standard's max_kl 0.05 < int4's 0.1
 
 
 def test_the_batch_cap_follows_the_measured_tpot() -> None:
@@ -155,11 +179,15 @@ def test_the_batch_cap_follows_the_measured_tpot() -> None:
     loads = {"int8": Load({"standard": 50}, 32, 5)}
     control.step(Observation(0.0, {"standard": 40}, loads))
     slow = control.step(Observation(2.5, {"standard": 40}, loads, tpot_p95={"priority": 0.25}))
-    assert slow.mode == THROUGHPUT and slow.knobs.max_num_seqs == 24  # 0.25 s > 90% of priority's 0.2 s
+    assert slow.mode == THROUGHPUT  # 0.25 s > 90% of priority's 0.2 s: the whole batch scales by 3/4
+    assert slow.knobs == Knobs(24, 768, 384)
     held = control.step(Observation(3.0, {"standard": 40}, loads, tpot_p95={"priority": 0.25}))
     assert held.knobs.max_num_seqs == 24  # at most every 2 s
     fast = control.step(Observation(5.0, {"standard": 40}, loads, tpot_p95={"priority": 0.05}))
-    assert fast.knobs.max_num_seqs == 26
+    assert fast.knobs == Knobs(27, 870, 435)  # room: back up by a tenth of the preset
+    for at in range(7, 40, 2):
+        floor = control.step(Observation(float(at), {"standard": 40}, loads, tpot_p95={"priority": 1.0}))
+    assert floor.knobs == ControlConfig().latency  # never under the latency preset
 
 
 def test_decisions_report_what_changed() -> None:

@@ -120,7 +120,7 @@ def test_a_burst_moves_the_free_tier_and_never_the_priority_tier(
     path.write_text(TENANTS)
     held = variants(builds, max_num_seqs=2, max_num_batched_tokens=64)
     control = ControlConfig(
-        tick=0.1, horizon=0.5, latency=Knobs(1, 64, 32), throughput=Knobs(2, 64, 32), dwell=1.0
+        tick=0.1, horizon=0.5, latency=Knobs(1, 64, 32), throughput=Knobs(2, 64, 32), dwell=1.0, capacity=5.0
     )
     info = ServerInfo("tiny", "1", TenantsSource(path), request_timeout=120, control=control)
     body = {"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "ignore_eos": True}

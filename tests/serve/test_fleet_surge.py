@@ -1,0 +1,118 @@
+"""The surge controller at a fleet gateway, on a real `redis-server`, with two workers serving two builds of one
+tiny model: `/v1/models` lists the builds, answers name theirs, a request may pin one; under a burst the gateway
+moves the free tier to the cheaper build and sheds it while the priority tier stays on the accurate one, and the
+knobs it sets reach the workers' engines through Redis (parity with the single server's test)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import redis
+
+from serve.control.controller import ControlConfig, Knobs
+from serve.engine import EngineConfig
+from serve.fleet import protocol as P
+from serve.fleet.local_redis import LocalRedis
+from serve.fleet.worker import FleetWorker, WorkerConfig
+from serve.loading import build_engine, load_for_serving
+from serve.openai import ServerInfo
+from serve.tenancy.tenants import TenantsSource
+from tests.serve.test_fleet import gateway, live_workers, local_redis, wait_for
+from tests.serve.test_surge_api import TENANTS, A, B, builds
+
+__all__ = ["builds", "local_redis"]  # fixtures, used by name
+
+
+@contextmanager
+def build_worker(path: Path, url: str) -> Iterator[FleetWorker]:
+    loaded = load_for_serving(str(path))
+    engine = build_engine(
+        loaded,
+        EngineConfig(
+            block_size=4, kv_memory="16MB", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64
+        ),
+    )
+    config = WorkerConfig(url, "tiny", loaded.version, loaded.content_hash, variant=loaded.name, kl=loaded.kl)
+    fleet_worker = FleetWorker(engine, config)
+    stop = threading.Event()
+    thread = threading.Thread(target=fleet_worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield fleet_worker
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+def test_the_gateway_routes_builds_by_tier_and_load_and_its_knobs_reach_the_workers(
+    builds: dict[str, Path], local_redis: LocalRedis, tmp_path: Path
+) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    control = ControlConfig(
+        tick=0.1, horizon=0.5, latency=Knobs(1, 64, 32), throughput=Knobs(2, 64, 32), dwell=1.0, capacity=5.0
+    )
+    info = ServerInfo("fleet", "", TenantsSource(path), request_timeout=120, control=control)
+    body = {"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    with (
+        build_worker(builds["tiny-int8"], local_redis.url) as accurate,
+        build_worker(builds["tiny-int4"], local_redis.url) as cheap,
+        gateway(local_redis.url, info=info, request_timeout=120) as base,
+    ):
+        wait_for(lambda: live_workers(base) == 2, what="both workers' heartbeats")
+        (model,) = httpx.get(f"{base}/v1/models", headers=A).json()["data"]
+        assert model["id"] == "tiny" and [v["id"] for v in model["variants"]] == ["tiny-int8", "tiny-int4"]
+        plain = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": 2}, headers=A, timeout=60)
+        assert plain.headers["x-qpack-variant"] == "tiny-int8"
+        assert plain.json()["system_fingerprint"].startswith("qpack-tiny-int8-")
+        pinned = httpx.post(
+            f"{base}/v1/completions",
+            json={**body, "max_tokens": 2, "model": "tiny-int4"},
+            headers=B,
+            timeout=60,
+        )
+        assert (
+            pinned.headers["x-qpack-variant"] == "tiny-int4"
+            and pinned.headers["x-qpack-worker"] == cheap.config.worker_id
+        )
+        answers: dict[str, list[httpx.Response]] = {"priority": [], "free": []}
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            futures = []
+            for wave in range(40):
+                for _ in range(6):
+                    futures.append(
+                        (
+                            "free",
+                            pool.submit(
+                                httpx.post, f"{base}/v1/completions", json=body, headers=B, timeout=120
+                            ),
+                        )
+                    )
+                if wave % 4 == 0:
+                    futures.append(
+                        (
+                            "priority",
+                            pool.submit(
+                                httpx.post, f"{base}/v1/completions", json=body, headers=A, timeout=120
+                            ),
+                        )
+                    )
+                time.sleep(0.1)
+            for tier, future in futures:
+                answers[tier].append(future.result())
+        metrics = httpx.get(f"{base}/metrics").text
+        knobs = redis.Redis.from_url(local_redis.url).hgetall(P.control_key("tiny"))
+    assert all(r.status_code == 200 for r in answers["priority"])
+    assert {r.headers["x-qpack-variant"] for r in answers["priority"]} == {"tiny-int8"}
+    assert "tiny-int4" in {r.headers.get("x-qpack-variant") for r in answers["free"] if r.status_code == 200}
+    assert any(r.status_code == 429 and r.json()["error"]["code"] == "overloaded" for r in answers["free"])
+    assert knobs and int(knobs[b"max_num_seqs"]) in (1, 2)
+    assert accurate.knobs_version and cheap.knobs_version  # both took up the controller's knobs
+    assert 'qpack_fleet_slo_requests_total{outcome="shed",tier="free"}' in metrics
+    assert 'qpack_fleet_control_decisions_total{kind="route"}' in metrics
