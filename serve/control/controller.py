@@ -38,6 +38,7 @@ from serve.control.forecast import Holt
 from serve.control.slo import Slo
 
 LATENCY, THROUGHPUT = "latency", "throughput"
+POOL = "pool"  # the capacity group of variants that share one machine
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class Observation:
     arrivals: dict[str, int]  # per tier since the last tick: every request that asked, refused ones included
     loads: dict[str, Load]  # per variant
     tpot_p95: dict[str, float] = field(default_factory=dict)  # per tier, recent
+    ttft_p95: dict[str, float] = field(default_factory=dict)  # per tier, recent
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ class ControlConfig:
     tpot_guard: bool = True
     capacity: float | None = None  # requests/s at full load, when the operator knows it (learned anyway)
     capacity_window: float = 20.0
+    pooled: bool = True  # the variants share one machine's compute (one server): one capacity for them all
+    persist: int = 2  # ticks the forecast must stay past `rise` before it alone switches the mode
 
     @classmethod
     def around(
@@ -169,8 +173,14 @@ class Controller:
         self.tiers = sorted(tiers, key=lambda t: t.rank)
         self.variants = sorted(variants, key=lambda v: v.kl)
         self.forecasts: dict[str, Holt] = {t.name: Holt() for t in self.tiers}
-        self.capacity = {v.name: Capacity(config.capacity_window) for v in self.variants}
-        self.capacity[self.variants[0].name].hint = config.capacity
+        self.groups = (
+            {POOL: [v.name for v in self.variants]}
+            if config.pooled
+            else {v.name: [v.name] for v in self.variants}
+        )
+        self.capacity = {group: Capacity(config.capacity_window) for group in self.groups}
+        self.capacity[next(iter(self.groups))].hint = config.capacity
+        self._rising = 0
         self.mode, self.last = LATENCY, None  # type: str, float | None
         self.calm_since: float | None = None  # since when the load has been low enough for latency mode
         self.scale = 1.0  # of the throughput knobs, steered by the measured TPOT
@@ -217,22 +227,28 @@ class Controller:
         known = self._known()
         return sum(known.values()) if known else None
 
-    def _capacity_of(self, variant: str) -> float | None:
-        """A variant's capacity; an unmeasured one is taken as the measured mean of the others."""
+    def _capacity_of(self, group: str) -> float | None:
+        """A capacity group's capacity (the pool's, or a variant's); an unmeasured one is taken as the measured
+        mean of the others."""
         known = self._known()
-        if variant in known:
-            return known[variant]
+        if group in known:
+            return known[group]
         return sum(known.values()) / len(known) if known else None
 
+    def _group_of(self, variant: str) -> str:
+        return POOL if self.config.pooled else variant
+
     def _learn_capacity(self, observation: Observation, elapsed: float) -> None:
-        """A tick counts when it ran in throughput mode and the variant was busy at its start and at its end
-        (requests waiting, or every seat taken): it finished as fast as it can."""
+        """A tick counts when it ran in throughput mode and the group (the pool, or a variant) was busy at its
+        start and at its end (requests waiting, or every seat of a variant taken): it finished as fast as it
+        can."""
         seats = self.decision.knobs.max_num_seqs if self.decision is not None else 1
-        for variant, load in observation.loads.items():
-            busy = sum(load.waiting.values()) > 0 or load.running >= seats
-            if busy and self._busy.get(variant) and self.mode == THROUGHPUT and variant in self.capacity:
-                self.capacity[variant].add(elapsed, load.finished)
-            self._busy[variant] = busy
+        for group, variants in self.groups.items():
+            loads = [observation.loads.get(v, Load()) for v in variants]
+            busy = any(sum(load.waiting.values()) > 0 or load.running >= seats for load in loads)
+            if busy and self._busy.get(group) and self.mode == THROUGHPUT:
+                self.capacity[group].add(elapsed, sum(load.finished for load in loads))
+            self._busy[group] = busy
 
     # ------------------------------------------------------------------ mode
 
@@ -246,12 +262,14 @@ class Controller:
         load = forecast / capacity if capacity else None
         tightest = self._tightest_ttft()
         backlog = waiting / capacity if capacity else None
-        building = (backlog is not None and tightest is not None and backlog > 0.25 * tightest) or (
-            capacity is None and waiting > self.config.latency.max_num_seqs
+        building = waiting >= 2 and (
+            (backlog is not None and tightest is not None and backlog > 0.5 * tightest)
+            or (capacity is None and waiting > self.config.latency.max_num_seqs)
         )
+        self._rising = self._rising + 1 if load is not None and load >= self.config.rise else 0
         calm = waiting == 0 and (load is None or load < self.config.fall)
         self.calm_since = (self.calm_since if self.calm_since is not None else now) if calm else None
-        if self.mode == LATENCY and ((load is not None and load >= self.config.rise) or building):
+        if self.mode == LATENCY and (self._rising >= self.config.persist or building):
             self.mode = THROUGHPUT
         elif self.mode == THROUGHPUT and calm and now - (self.calm_since or now) >= self.config.dwell:
             self.mode = LATENCY
@@ -265,7 +283,7 @@ class Controller:
         accurate variant's capacity, lowest tier first, within each tier's quality budget."""
         shares = {t.name: 0.0 for t in self.tiers}
         cheap = self.variants[1] if len(self.variants) > 1 else None
-        capacity = self._capacity_of(self.variants[0].name)
+        capacity = self._capacity_of(self._group_of(self.variants[0].name))
         if cheap is None or not self.config.route or mode == LATENCY or not capacity:
             return shares
         excess = sum(rates.values()) - self.config.rise * capacity
@@ -285,26 +303,32 @@ class Controller:
     def _waits(
         self, rates: dict[str, float], shares: dict[str, float], observation: Observation
     ) -> dict[int, float]:
-        """Per tier rank, the seconds its next request is predicted to wait on the variants it runs on (the
-        longest of them): the queue of its own and higher tiers there, over the capacity the higher tiers'
+        """Per tier rank, the seconds its next request is predicted to wait in the capacity groups it runs in
+        (the longest): the queue of its own and higher tiers there, over the capacity the higher tiers'
         forecast arrivals leave."""
-        waits: dict[int, float] = {}
         names = [v.name for v in self.variants]
+
+        def part(tier: TierPolicy, variant: str) -> float:
+            """The share of the tier's requests that runs on `variant`."""
+            cheap = shares[tier.name]
+            return (1.0 - cheap) if variant == names[0] else (cheap if variant == names[1] else 0.0)
+
+        waits: dict[int, float] = {}
         for tier in self.tiers:
             worst: float | None = None
-            for index, variant in enumerate(names[:2]):
-                share = shares[tier.name] if index else 1.0 - shares[tier.name]
-                capacity = self._capacity_of(variant)
-                if share <= 0 or not capacity:
+            for group, variants in self.groups.items():
+                capacity = self._capacity_of(group)
+                if not capacity or sum(part(tier, v) for v in variants) <= 0:
                     continue
-                load = observation.loads.get(variant, Load())
-                part = [
-                    (t, shares[t.name] if index else 1.0 - shares[t.name])
+                ahead = sum(
+                    observation.loads.get(v, Load()).waiting.get(t.name, 0)
+                    for v in variants
                     for t in self.tiers
-                    if t.rank <= tier.rank
-                ]
-                ahead = sum(load.waiting.get(t.name, 0) for t, p in part if p > 0)
-                higher = sum(rates[t.name] * p for t, p in part if t.rank < tier.rank)
+                    if t.rank <= tier.rank and part(t, v) > 0
+                )
+                higher = sum(
+                    rates[t.name] * part(t, v) for v in variants for t in self.tiers if t.rank < tier.rank
+                )
                 wait = ahead / max(0.05 * capacity, capacity - higher)
                 worst = wait if worst is None else max(worst, wait)
             if worst is not None:
@@ -337,8 +361,9 @@ class Controller:
 
     def _knobs(self, mode: str, observation: Observation, shed_from: int | None) -> Knobs:
         """The mode's preset; in throughput mode scaled (seats, token budget and prefill chunk together, never
-        under the latency preset): down by a quarter while some served tier's TPOT p95 is within 10% of its
-        target, up by a tenth while all are under 60%, at most every 2 s (the p95 needs that long to show it)."""
+        under the latency preset): down by a quarter while some served tier's TPOT p95, or the top tier's TTFT
+        p95 (which jumps every queue, so only the length of a step delays it), is within 10% of its target; up
+        by a tenth while all are under 60%; at most every 2 s (the p95 needs that long to show it)."""
         latency, preset = self.config.latency, self.config.throughput
         if mode == LATENCY:
             return latency
@@ -350,6 +375,9 @@ class Controller:
                 for t in served
                 if t.slo.tpot and t.name in observation.tpot_p95
             ]
+            top = self.tiers[0]
+            if top.slo.ttft and top.name in observation.ttft_p95:
+                ratios.append(observation.ttft_p95[top.name] / top.slo.ttft)
             worst = max(ratios, default=None)
             if worst is not None and worst > 0.9:
                 self.scale = max(0.0, self.scale * 0.75)

@@ -51,10 +51,7 @@ class Holt:
     trend: float = 0.0
 
     def update(self, rate: float) -> None:
-        if self.level is None:
-            self.level = rate
-            return
-        previous = self.level
+        previous = 0.0 if self.level is None else self.level  # from nothing: one busy tick is not a trend
         self.level = self.alpha * rate + (1 - self.alpha) * (previous + self.phi * self.trend)
         self.trend = self.beta * (self.level - previous) + (1 - self.beta) * self.phi * self.trend
 

@@ -11,6 +11,7 @@ one leaves) the model's loop is rebuilt, its forecasts and capacity learned agai
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -48,7 +49,8 @@ class FleetControl:
         tiers = self.tenants.current.tiers
         controller = None
         if self.config is not None:
-            controller = Controller(self.config, policies(tiers), [Variant(name, kl) for name, kl in builds])
+            separate = dataclasses.replace(self.config, pooled=False)  # every worker computes on its own
+            controller = Controller(separate, policies(tiers), [Variant(name, kl) for name, kl in builds])
         state = _Model(
             ControlLoop(
                 tiers, [name for name, _kl in builds], lambda: {}, lambda _d: None, self.metrics, controller

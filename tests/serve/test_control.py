@@ -109,8 +109,8 @@ def surge(base: float = 4.0, peak: float = 14.0) -> list[float]:
     return rates
 
 
-def controller(route: bool = True, variants: list[Variant] | None = None) -> Controller:
-    return Controller(ControlConfig(route=route), TIERS, variants or [Variant("int8", 0.001)])
+def controller(route: bool = True, variants: list[Variant] | None = None, pooled: bool = False) -> Controller:
+    return Controller(ControlConfig(route=route, pooled=pooled), TIERS, variants or [Variant("int8", 0.001)])
 
 
 def test_the_mode_switches_within_two_seconds_of_a_step_and_holds_while_steady() -> None:
@@ -152,13 +152,13 @@ def test_routing_moves_the_excess_lowest_tier_first_within_budgets_before_sheddi
     tiers = [TIERS[0], TierPolicy("standard", 1, Slo(ttft=3.0, tpot=0.4), max_kl=0.2), TIERS[2]]
     variants = [Variant("int8", 0.001), Variant("int4", 0.1)]
     routed = Sim({"int8": 10.0, "int4": 10.0})
-    decisions = routed.run(Controller(ControlConfig(), tiers, variants), surge(4.0, 17.0))
+    decisions = routed.run(Controller(ControlConfig(pooled=False), tiers, variants), surge(4.0, 17.0))
     during = decisions[int(80 / TICK) : int(125 / TICK)]
     assert all(d.shares["priority"] == 0.0 for d in decisions)  # the top tier: the most accurate, always
     assert all(d.shares["standard"] == 0.0 or d.shares["free"] == 1.0 for d in decisions)  # lowest first
     assert max(d.shares["free"] for d in during) == 1.0 and max(d.shares["standard"] for d in during) > 0.0
     alone = Sim({"int8": 10.0})
-    alone.run(Controller(ControlConfig(), tiers, variants[:1]), surge(4.0, 17.0))
+    alone.run(Controller(ControlConfig(pooled=False), tiers, variants[:1]), surge(4.0, 17.0))
     assert sum(routed.shed.values()) < sum(alone.shed.values()) / 4  # the spare variant took the excess
     assert routed.served.get("priority", 0) == alone.served.get("priority", 0)
     assert decisions[-1].shares == {"priority": 0.0, "standard": 0.0, "free": 0.0}  # back after the surge
@@ -223,3 +223,16 @@ def test_holt_reacts_to_a_step_within_two_seconds_and_smooths_a_steady_rate() ->
     for _ in range(200):
         steady.update(4.0)
     assert steady.forecast(10) == pytest.approx(4.0)
+
+
+def test_variants_sharing_one_machine_pool_their_capacity() -> None:
+    """One server's engines share its cores: moving load to the cheaper variant adds no capacity, so the
+    controller sheds as it would with one variant, rather than admitting twice what the machine can do."""
+    variants = [Variant("int8", 0.001), Variant("int4", 0.1)]
+    pooled = Sim({"int8": 5.0, "int4": 5.0})  # 10 requests/s between them, however they are split
+    decisions = pooled.run(controller(variants=variants, pooled=True), surge(4.0, 17.0))
+    alone = Sim({"int8": 10.0})
+    alone.run(controller(), surge(4.0, 17.0))
+    assert any(d.shares["free"] > 0 for d in decisions)  # the free tier still moves to the cheaper variant
+    assert sum(pooled.shed.values()) >= 0.8 * sum(alone.shed.values())
+    assert max(pooled.waits["standard"]) <= 2 * TIERS[1].slo.ttft  # type: ignore[operator]

@@ -35,7 +35,7 @@ ttft_ms = 20000
 [[tiers]]
 name = "free"
 service_tier = "flex"
-ttft_ms = 300
+ttft_ms = 8000
 
 [tenants.acme]
 keys = ["key-a"]
