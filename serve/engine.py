@@ -339,12 +339,21 @@ class Engine:
             self._wake.notify()
 
     def load(self) -> Load:
-        """What a controller reads of this engine: waiting requests per tier, running, finished so far."""
+        """What a controller reads of this engine: per tier, the requests still waiting for their first token
+        (queued, or seated but still prefilling: a batch of many seats hides a queue of prompts) and how long the
+        oldest of them has waited; running requests; requests finished so far (a count the controller takes
+        differences of)."""
+        now = time.monotonic()
         with self._lock:
             waiting: dict[str, int] = {}
-            for _key, request in self.scheduler.waiting:
-                waiting[request.owner.tier] = waiting.get(request.owner.tier, 0) + 1
-            return Load(waiting, len(self.scheduler.running), self.stats.finished)
+            oldest: dict[str, float] = {}
+            pending = [r for _key, r in self.scheduler.waiting]
+            pending += [r for r in self.scheduler.running if r.first_token_time is None]
+            for request in pending:
+                tier = request.owner.tier
+                waiting[tier] = waiting.get(tier, 0) + 1
+                oldest[tier] = max(oldest.get(tier, 0.0), now - request.arrival_time)
+            return Load(waiting, len(self.scheduler.running), self.stats.finished, oldest)
 
     def _salt(self, *parts: bytes) -> bytes:
         """The root of a prefix chain: this engine's namespace and `parts`, each length-prefixed (no two lists

@@ -12,10 +12,10 @@ Each tick:
    operator's figure (`qpack bench serve` measures it) when given, else unknown, and nothing is routed or shed
    on a guess.
 3. **Mode**, with hysteresis: throughput (a larger batch, a larger prefill budget) as soon as the forecast load
-   passes `rise` of capacity or a queue builds past a quarter of the tightest first-token target, so before the
-   queue when the forecast sees the rise coming; back to latency (a small batch and small prefill chunks, so
-   tokens come fast) only once the forecast has stayed under `fall` of capacity with nothing waiting for `dwell`
-   seconds in a row. In throughput mode the batch (seats, token budget and prefill chunk together) follows the
+   passes `rise` of capacity for two ticks or a queue builds past half the tightest first-token target, so
+   before the queue when the forecast sees the rise coming; back to latency (a small batch and small prefill
+   chunks, so tokens come fast) only once the arrivals of the last `dwell` seconds average under `fall` of
+   capacity and the queue has stayed small for `dwell` seconds in a row. In throughput mode the batch (seats, token budget and prefill chunk together) follows the
    measured TPOT: it shrinks while some served tier's p95 nears its target and grows back when there is room.
 4. **Routing** (several variants of one model): the top tier always runs on the most accurate variant. When the
    forecast load on it passes `rise` of its capacity, the excess moves to the cheaper variant, lowest tier first:
@@ -73,9 +73,12 @@ class Variant:
 class Load:
     """One variant's engine (or fleet workers) at a tick."""
 
-    waiting: dict[str, int] = field(default_factory=dict)  # per tier
+    waiting: dict[str, int] = field(default_factory=dict)  # per tier: without their first token yet
     running: int = 0
     finished: int = 0  # requests finished since the last tick
+    oldest: dict[str, float] = field(
+        default_factory=dict
+    )  # per tier: seconds its longest-waiting one has waited
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,7 @@ class Controller:
         self.capacity = {group: Capacity(config.capacity_window) for group in self.groups}
         self.capacity[next(iter(self.groups))].hint = config.capacity
         self._rising = 0
+        self._arrived: list[tuple[float, int]] = []
         self.mode, self.last = LATENCY, None  # type: str, float | None
         self.calm_since: float | None = None  # since when the load has been low enough for latency mode
         self.scale = 1.0  # of the throughput knobs, steered by the measured TPOT
@@ -267,7 +271,9 @@ class Controller:
             or (capacity is None and waiting > self.config.latency.max_num_seqs)
         )
         self._rising = self._rising + 1 if load is not None and load >= self.config.rise else 0
-        calm = waiting == 0 and (load is None or load < self.config.fall)
+        recent = self._recent_rate(observation, now)
+        small = backlog is None or tightest is None or backlog < 0.25 * tightest
+        calm = small and (capacity is None or recent < self.config.fall * capacity)
         self.calm_since = (self.calm_since if self.calm_since is not None else now) if calm else None
         if self.mode == LATENCY and (self._rising >= self.config.persist or building):
             self.mode = THROUGHPUT
@@ -275,6 +281,15 @@ class Controller:
             self.mode = LATENCY
             self.scale = 1.0
         return self.mode
+
+    def _recent_rate(self, observation: Observation, now: float) -> float:
+        """Arrivals a second over the last `dwell` seconds: what the way back to latency mode is judged by (the
+        forecast, a few arrivals a tick, is too noisy to stay under a threshold for long)."""
+        self._arrived.append((now, sum(observation.arrivals.values())))
+        while self._arrived and self._arrived[0][0] <= now - self.config.dwell:
+            self._arrived.pop(0)
+        span = max(self.config.tick, min(self.config.dwell, now - self._arrived[0][0] + self.config.tick))
+        return sum(n for _, n in self._arrived) / span
 
     # ------------------------------------------------------------------ routing
 
@@ -305,7 +320,8 @@ class Controller:
     ) -> dict[int, float]:
         """Per tier rank, the seconds its next request is predicted to wait in the capacity groups it runs in
         (the longest): the queue of its own and higher tiers there, over the capacity the higher tiers'
-        forecast arrivals leave."""
+        forecast arrivals leave (at least a quarter of it: a noisy forecast near capacity must not predict
+        hours), and never less than its oldest request has already waited."""
         names = [v.name for v in self.variants]
 
         def part(tier: TierPolicy, variant: str) -> float:
@@ -329,7 +345,12 @@ class Controller:
                 higher = sum(
                     rates[t.name] * part(t, v) for v in variants for t in self.tiers if t.rank < tier.rank
                 )
-                wait = ahead / max(0.05 * capacity, capacity - higher)
+                wait = ahead / max(0.25 * capacity, capacity - higher)
+                seen = max(
+                    (observation.loads.get(v, Load()).oldest.get(tier.name, 0.0) for v in variants),
+                    default=0.0,
+                )
+                wait = max(wait, seen)
                 worst = wait if worst is None else max(worst, wait)
             if worst is not None:
                 waits[tier.rank] = worst

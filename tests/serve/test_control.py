@@ -5,6 +5,7 @@ arrivals. Decisions, hysteresis, shed order, routing before shedding, the SLO le
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -236,3 +237,48 @@ def test_variants_sharing_one_machine_pool_their_capacity() -> None:
     assert any(d.shares["free"] > 0 for d in decisions)  # the free tier still moves to the cheaper variant
     assert sum(pooled.shed.values()) >= 0.8 * sum(alone.shed.values())
     assert max(pooled.waits["standard"]) <= 2 * TIERS[1].slo.ttft  # type: ignore[operator]
+
+
+def test_a_short_spike_is_absorbed_and_noise_does_not_flap_the_mode() -> None:
+    """A 3 s spike to 3x capacity, and a rate wobbling fast around 40% of capacity: the top tier is never shed
+    or kept waiting past its target, and the mode does not switch back and forth on the noise."""
+    spike = [4.0] * 80 + [30.0] * 6 + [4.0] * 160
+    sim = Sim({"int8": 10.0})
+    decisions = sim.run(controller(), spike)
+    assert (
+        sim.shed.get("priority", 0) == 0 and decisions[-1].mode == LATENCY and decisions[-1].shed_from is None
+    )
+    assert max(sim.waits["priority"]) <= TIERS[0].slo.ttft  # type: ignore[operator]
+    noisy = [4.0 + 1.5 * math.sin(i * TICK * 1.3) for i in range(600)]  # a 5 s wobble on Poisson noise
+    modes = [d.mode for d in Sim({"int8": 10.0}).run(controller(), noisy, seed=3)]
+    assert sum(a != b for a, b in itertools.pairwise(modes)) <= 2
+
+
+def test_the_door_spreads_a_share_evenly_and_pins_win(tmp_path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from serve.control.loop import ControlLoop
+    from serve.metrics import ControlMetrics
+    from serve.tenancy.tenants import BUILTIN_TIERS, Caller
+
+    loop = ControlLoop(
+        BUILTIN_TIERS, ["int8", "int4"], dict, lambda _d: None, ControlMetrics(CollectorRegistry(), "t")
+    )
+    loop.decision = Decision(
+        THROUGHPUT,
+        ControlConfig().throughput,
+        10.0,
+        5.0,
+        None,
+        0.0,
+        {"priority": 0.0, "standard": 0.25, "free": 1.0},
+        "int8",
+        "int4",
+    )
+    standard, free = Caller(tier="standard", tier_rank=1), Caller(tier="free", tier_rank=2)
+    picks = [loop.variant_for(standard).variant for _ in range(8)]
+    assert picks.count("int4") == 2 and picks[3] == picks[7] == "int4"  # every fourth, not in a run
+    assert {loop.variant_for(free).variant for _ in range(4)} == {"int4"}
+    assert loop.variant_for(Caller(tier="priority", tier_rank=0)).variant == "int8"
+    assert loop.variant_for(free, pinned="int8") == loop.variant_for(free, pinned="int8")
+    assert loop.variant_for(free, pinned="int8").pinned

@@ -75,3 +75,26 @@ def test_the_worker_process_refuses_in_one_line(argument: str, expected: str) ->
     )
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 2 and len(lines) == 1 and expected in lines[0], run.stderr
+
+
+def test_role_all_spreads_its_workers_over_the_variants(tmp_path: Path) -> None:
+    """`qpack serve A B --role all --workers 3`: the workers take the builds in turn, each answering to the
+    name of the model they were built from (read from A's manifest, no weights loaded)."""
+    import json
+
+    builds = []
+    for name in ("m-int8", "m-int4"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "manifest.json").write_text(
+            json.dumps({"name": name, "source": {"model_id": "org/base-model"}})
+        )
+        builds.append(str(folder))
+    options = ServeOptions(builds[0], variants=(builds[1],), role="all", workers=3, redis="redis://x/0")
+    workers = [worker_options(options, i) for i in range(3)]
+    assert [w.target for w in workers] == [builds[0], builds[1], builds[0]]
+    assert {w.model_name for w in workers} == {"base-model"} and all(w.variants == () for w in workers)
+    single = worker_options(ServeOptions(builds[0], role="all", redis="redis://x/0"), 0)
+    assert single.model_name is None  # one build: the artifact's own name, as before
+    with pytest.raises(QpackError, match="variants"):
+        ServeOptions(builds[0], variants=(builds[1],), role="worker", redis="redis://x/0").validate()
