@@ -303,8 +303,8 @@ def _tokens_within(outcomes: list[dict[str, Any]], window: tuple[float, float]) 
 def controller_timing(
     samples: list[dict[str, Any]], rise_at: float, steady: tuple[float, float]
 ) -> dict[str, Any]:
-    """When the controller first left latency mode after `rise_at` (seconds; negative: ahead of it), and how
-    many mode switches it made while the rate was steady."""
+    """When the controller last switched to throughput mode around the rise at `rise_at` (seconds after it;
+    negative: ahead of it), and how many mode switches it made while the rate was steady."""
     modes = [
         (
             s["at"],
@@ -318,7 +318,11 @@ def controller_timing(
     modes = [(at, m) for at, m in modes if m is not None]
     if not modes:
         return {}
-    acted = next((at - rise_at for at, m in modes if at >= rise_at - 10 and m == 1.0), None)
+    calm = [
+        at for at, m in modes if at <= rise_at + 30 and m == 0.0
+    ]  # its last latency-mode moment near the rise
+    since = calm[-1] if calm else rise_at - 10
+    acted = next((at - rise_at for at, m in modes if at >= since and m == 1.0), None)
     held = [m for at, m in modes if steady[0] <= at < steady[1]]
     switches = sum(a != b for a, b in itertools.pairwise(held))
     return {"acted_after_rise_s": acted, "switches_while_steady": switches}

@@ -114,6 +114,9 @@ class EngineStats:
     peak_running: int = 0
     steps: int = 0
     finished: int = 0  # requests finished so far, however they ended
+    tokens: int = 0  # tokens computed so far (prompt chunks and decodes)
+    served: int = 0  # finished requests that ran (were seated)
+    served_tokens: int = 0  # their prompt and output tokens
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -341,8 +344,8 @@ class Engine:
     def load(self) -> Load:
         """What a controller reads of this engine: per tier, the requests still waiting for their first token
         (queued, or seated but still prefilling: a batch of many seats hides a queue of prompts) and how long the
-        oldest of them has waited; running requests; requests finished so far (a count the controller takes
-        differences of)."""
+        oldest of them has waited; running requests; and counts so far, which the controller takes differences
+        of: requests finished, tokens computed, requests served and their tokens."""
         now = time.monotonic()
         with self._lock:
             waiting: dict[str, int] = {}
@@ -353,7 +356,16 @@ class Engine:
                 tier = request.owner.tier
                 waiting[tier] = waiting.get(tier, 0) + 1
                 oldest[tier] = max(oldest.get(tier, 0.0), now - request.arrival_time)
-            return Load(waiting, len(self.scheduler.running), self.stats.finished, oldest)
+            stats = self.stats
+            return Load(
+                waiting,
+                len(self.scheduler.running),
+                stats.finished,
+                oldest,
+                stats.tokens,
+                stats.served,
+                stats.served_tokens,
+            )
 
     def _salt(self, *parts: bytes) -> bytes:
         """The root of a prefix chain: this engine's namespace and `parts`, each length-prefixed (no two lists
@@ -386,6 +398,9 @@ class Engine:
 
     def _count_finished(self, request: Request, reason: str) -> None:
         self.stats.finished += 1
+        if request.admitted_time is not None:
+            self.stats.served += 1
+            self.stats.served_tokens += len(request.prompt_ids) + len(request.output_ids)
         owner = request.owner
         self.metrics.requests.labels(finish_reason=reason).inc()
         self.metrics.tenants.tokens.labels(owner.tenant, owner.tier, "completion").inc(
@@ -509,6 +524,7 @@ class Engine:
                     outputs.append(output)
             self._update_gauges()
             self.stats.steps += 1
+            self.stats.tokens += scheduled.num_tokens
             self.metrics.steps.inc()
         self._deliver(outputs)
         return True

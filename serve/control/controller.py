@@ -7,10 +7,10 @@ and the fleet gateway from Redis and its workers' heartbeats.
 
 Each tick:
 1. **Forecast** each tier's arrival rate over the next `horizon` seconds (`forecast.Holt`, chosen by measurement).
-2. **Capacity**: the requests a second each variant finishes while busy (requests waiting, or every seat taken),
-   over the last `capacity_window` seconds of busy time; until two busy seconds are seen it is `capacity`, the
-   operator's figure (`qpack bench serve` measures it) when given, else unknown, and nothing is routed or shed
-   on a guess.
+2. **Capacity**: the requests a second each variant (or the pool of variants sharing a machine) can finish: the
+   tokens it computes a second while busy (requests waiting, or every seat taken; the last `capacity_window`
+   seconds of busy time) over the tokens a recent request cost; until measured it is `capacity`, the operator's
+   figure (`qpack bench serve` measures it) when given, else unknown, and nothing is routed or shed on a guess.
 3. **Mode**, with hysteresis: throughput (a larger batch, a larger prefill budget) as soon as the forecast load
    passes `rise` of capacity for two ticks or a queue builds past half the tightest first-token target, so
    before the queue when the forecast sees the rise coming; back to latency (a small batch and small prefill
@@ -76,9 +76,10 @@ class Load:
     waiting: dict[str, int] = field(default_factory=dict)  # per tier: without their first token yet
     running: int = 0
     finished: int = 0  # requests finished since the last tick
-    oldest: dict[str, float] = field(
-        default_factory=dict
-    )  # per tier: seconds its longest-waiting one has waited
+    oldest: dict[str, float] = field(default_factory=dict)  # per tier: how long its oldest one has waited
+    tokens: int = 0  # tokens computed since the last tick
+    served: int = 0  # requests that ran and finished since the last tick
+    served_tokens: int = 0  # their prompt and output tokens
 
 
 @dataclass(frozen=True)
@@ -149,22 +150,35 @@ class ControlConfig:
 
 @dataclass
 class Capacity:
-    """Requests a variant finishes a second while busy, over the last `window` seconds of busy ticks."""
+    """Requests a second a capacity group finishes at full load: the tokens it computes a second while busy (over
+    the last `window` seconds of busy ticks) over the tokens a request costs (prompt and output, over the last
+    `requests` served). Tokens, not completions: a batch that has just filled computes at full rate at once,
+    while its first completions come a whole request's duration later. Until both are measured: the hint."""
 
     window: float
     hint: float | None = None
-    ticks: list[tuple[float, int]] = field(default_factory=list)  # (busy seconds, finished), newest last
+    requests: int = 64
+    ticks: list[tuple[float, int]] = field(default_factory=list)  # (busy seconds, tokens), newest last
+    served: list[tuple[int, int]] = field(default_factory=list)  # (requests, their tokens), newest last
 
-    def add(self, seconds: float, finished: int) -> None:
-        self.ticks.append((seconds, finished))
+    def add(self, seconds: float, tokens: int) -> None:
+        self.ticks.append((seconds, tokens))
         while sum(t for t, _ in self.ticks[1:]) >= self.window:
             self.ticks.pop(0)
+
+    def cost(self, requests: int, tokens: int) -> None:
+        if requests:
+            self.served.append((requests, tokens))
+            while sum(n for n, _ in self.served[1:]) >= self.requests:
+                self.served.pop(0)
 
     @property
     def level(self) -> float | None:
         seconds = sum(t for t, _ in self.ticks)
-        if seconds >= 2.0:
-            return sum(n for _, n in self.ticks) / seconds
+        requests = sum(n for n, _ in self.served)
+        if seconds >= 2.0 and requests >= 4:
+            per_request = sum(t for _, t in self.served) / requests
+            return sum(t for _, t in self.ticks) / seconds / max(1.0, per_request)
         return self.hint
 
 
@@ -251,7 +265,9 @@ class Controller:
             loads = [observation.loads.get(v, Load()) for v in variants]
             busy = any(sum(load.waiting.values()) > 0 or load.running >= seats for load in loads)
             if busy and self._busy.get(group) and self.mode == THROUGHPUT:
-                self.capacity[group].add(elapsed, sum(load.finished for load in loads))
+                self.capacity[group].add(elapsed, sum(load.tokens for load in loads))
+            served = sum(load.served for load in loads)
+            self.capacity[group].cost(served, sum(load.served_tokens for load in loads))
             self._busy[group] = busy
 
     # ------------------------------------------------------------------ mode

@@ -63,7 +63,7 @@ class ControlLoop:
         self.recent = Ledger(10.0)  # the TPOT the controller steers by: the last 10 s
         self.decision: Decision | None = None
         self._arrivals: dict[str, int] = {}
-        self._finished: dict[str, int] = {}
+        self._totals: dict[str, tuple[int, int, int, int]] = {}  # per variant: its counts at the last tick
         self._credit: dict[str, float] = {}  # per tier: its share of the cheaper variant, accumulated
         self._lock = threading.Lock()
 
@@ -138,9 +138,11 @@ class ControlLoop:
             return None
         loads = {}
         for variant, load in self.loads().items():
-            finished = max(0, load.finished - self._finished.get(variant, 0))  # a worker gone lowers the sum
-            loads[variant] = Load(load.waiting, load.running, finished)
-            self._finished[variant] = load.finished
+            before = self._totals.get(variant, (0, 0, 0, 0))
+            totals = (load.finished, load.tokens, load.served, load.served_tokens)
+            grown = [max(0, a - b) for a, b in zip(totals, before, strict=True)]  # a worker gone: never < 0
+            loads[variant] = Load(load.waiting, load.running, grown[0], load.oldest, *grown[1:])
+            self._totals[variant] = totals
         decision = self.controller.step(Observation(now, arrivals, loads, tpot))
         if decision.changes:
             self.apply(decision)

@@ -79,22 +79,26 @@ class FleetControl:
                 state.published = decision
 
     def _loads(self, model: str, workers: list[P.WorkerInfo]) -> dict[str, Load]:
+        """Per build, its workers' loads summed, with what this gateway queued that none of them took yet."""
         loads: dict[str, Load] = {}
         for worker in workers:
             if worker.model != model:
                 continue
-            load = loads.get(worker.build, Load())
-            waiting = dict(load.waiting)
+            load = loads.get(worker.build) or Load(dict(self.unaccepted.get(worker.build, {})))
+            waiting, oldest = dict(load.waiting), dict(load.oldest)
             for tier, count in worker.waiting.items():
                 waiting[tier] = waiting.get(tier, 0) + count
+            for tier, seconds in worker.oldest.items():
+                oldest[tier] = max(oldest.get(tier, 0.0), seconds)
             loads[worker.build] = Load(
-                waiting, load.running + worker.running, load.finished + worker.finished
+                waiting,
+                load.running + worker.running,
+                load.finished + worker.finished,
+                oldest,
+                load.tokens + worker.tokens,
+                load.served + worker.served,
+                load.served_tokens + worker.served_tokens,
             )
-        for build, load in loads.items():
-            waiting = dict(load.waiting)
-            for tier, count in self.unaccepted.get(build, {}).items():
-                waiting[tier] = waiting.get(tier, 0) + count
-            loads[build] = Load(waiting, load.running, load.finished)
         return loads
 
     async def _publish(self, model: str, decision: Decision) -> None:

@@ -224,6 +224,12 @@ class WorkerInfo:
     waiting: dict[str, int] = field(default_factory=dict)  # its engine's queue per tier
     running: int = 0
     finished: int = 0  # requests its engine finished since it started
+    tokens: int = 0  # tokens its engine computed since it started
+    served: int = 0  # requests that ran and finished, and their tokens: what a request costs
+    served_tokens: int = 0
+    oldest: dict[str, float] = field(
+        default_factory=dict
+    )  # per tier: how long its oldest waiting one has waited
 
     @property
     def room(self) -> int:
@@ -259,6 +265,10 @@ class WorkerInfo:
                 {str(k): int(v) for k, v in waiting.items()} if isinstance(waiting, dict) else {},
                 int(data.get("running", 0)),
                 int(data.get("finished", 0)),
+                int(data.get("tokens", 0)),
+                int(data.get("served", 0)),
+                int(data.get("served_tokens", 0)),
+                {str(k): float(v) for k, v in json.loads(data.get("oldest", "{}")).items()},
             )
         except (KeyError, ValueError, TypeError, AttributeError, UnicodeDecodeError):
             return None

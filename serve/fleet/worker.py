@@ -169,6 +169,10 @@ class FleetWorker:
             load.waiting,
             load.running,
             load.finished,
+            load.tokens,
+            load.served,
+            load.served_tokens,
+            load.oldest,
         )
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(P.worker_key(self.config.worker_id), mapping=info.fields())

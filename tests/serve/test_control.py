@@ -92,8 +92,15 @@ class Sim:
                     finished[variant] += take
                     self.served[tier] = self.served.get(tier, 0) + take
                 credit[variant] = min(credit[variant], speed * TICK)
-            loads = {
-                v: Load({t: int(n) for t, n in self.queues.get(v, {}).items()}, 0, finished[v])
+            loads = {  # every simulated request costs 100 tokens
+                v: Load(
+                    {t: int(n) for t, n in self.queues.get(v, {}).items()},
+                    0,
+                    finished[v],
+                    tokens=100 * finished[v],
+                    served=finished[v],
+                    served_tokens=100 * finished[v],
+                )
                 for v in self.capacity
             }
             decision = controller.step(Observation(now, arrivals, loads))
