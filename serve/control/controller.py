@@ -12,8 +12,9 @@ Each tick:
    seconds of busy time) over the tokens a recent request cost; until measured it is `capacity`, the operator's
    figure (`qpack bench serve` measures it) when given, else unknown, and nothing is routed or shed on a guess.
 3. **Mode**, with hysteresis: throughput (a larger batch, a larger prefill budget) as soon as the forecast load
-   passes `rise` of capacity for two ticks or a queue builds past half the tightest first-token target, so
-   before the queue when the forecast sees the rise coming; back to latency (a small batch and small prefill
+   passes `rise` of capacity for two ticks while the arrivals of the last 2 s confirm it (a burst of a few
+   requests at a low rate makes a trend, not a surge), or a queue builds past half the tightest first-token
+   target: so before the queue when the forecast sees the rise coming; back to latency (a small batch and small prefill
    chunks, so tokens come fast) only once the arrivals of the last `dwell` seconds average under `fall` of
    capacity and the queue has stayed small for `dwell` seconds in a row. In throughput mode the batch (seats, token budget and prefill chunk together) follows the
    measured TPOT: it shrinks while some served tier's p95 nears its target and grows back when there is room.
@@ -286,8 +287,9 @@ class Controller:
             (backlog is not None and tightest is not None and backlog > 0.5 * tightest)
             or (capacity is None and waiting > self.config.latency.max_num_seqs)
         )
-        self._rising = self._rising + 1 if load is not None and load >= self.config.rise else 0
         recent = self._recent_rate(observation, now)
+        confirmed = capacity is not None and self._rate_over(2.0, now) >= self.config.rise * capacity
+        self._rising = self._rising + 1 if load is not None and load >= self.config.rise and confirmed else 0
         small = backlog is None or tightest is None or backlog < 0.25 * tightest
         calm = small and (capacity is None or recent < self.config.fall * capacity)
         self.calm_since = (self.calm_since if self.calm_since is not None else now) if calm else None
@@ -302,10 +304,15 @@ class Controller:
         """Arrivals a second over the last `dwell` seconds: what the way back to latency mode is judged by (the
         forecast, a few arrivals a tick, is too noisy to stay under a threshold for long)."""
         self._arrived.append((now, sum(observation.arrivals.values())))
-        while self._arrived and self._arrived[0][0] <= now - self.config.dwell:
+        while self._arrived and self._arrived[0][0] <= now - max(self.config.dwell, 2.0):
             self._arrived.pop(0)
-        span = max(self.config.tick, min(self.config.dwell, now - self._arrived[0][0] + self.config.tick))
-        return sum(n for _, n in self._arrived) / span
+        return self._rate_over(self.config.dwell, now)
+
+    def _rate_over(self, seconds: float, now: float) -> float:
+        """Arrivals a second counted over the last `seconds` (less at the start)."""
+        counted = [n for at, n in self._arrived if at > now - seconds]
+        first = next((at for at, _n in self._arrived if at > now - seconds), now)
+        return sum(counted) / max(self.config.tick, min(seconds, now - first + self.config.tick))
 
     # ------------------------------------------------------------------ routing
 
