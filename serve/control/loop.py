@@ -60,7 +60,7 @@ class ControlLoop:
             clock,
         )
         self.ledger = Ledger(window)
-        self.recent = Ledger(10.0)  # the TPOT the controller steers by: the last 10 s
+        self.recent = Ledger(10.0)  # the TTFT and TPOT the controller steers by: the last 10 s
         self.decision: Decision | None = None
         self._arrivals: dict[str, int] = {}
         self._totals: dict[str, tuple[int, int, int, int]] = {}  # per variant: its counts at the last tick
@@ -126,9 +126,9 @@ class ControlLoop:
         now = self.clock()
         with self._lock:
             arrivals, self._arrivals = self._arrivals, {}
-            tpot = {
-                t: s.tpot_p95 for t in self.tiers if (s := self.recent.stats(t, now)).tpot_p95 is not None
-            }
+            recent = {t: self.recent.stats(t, now) for t in self.tiers}
+            tpot = {t: s.tpot_p95 for t, s in recent.items() if s.tpot_p95 is not None}
+            ttft = {t: s.ttft_p95 for t, s in recent.items() if s.ttft_p95 is not None}
             stats = {t: self.ledger.stats(t, now) for t in self.tiers}
         for name, tier_stats in stats.items():
             if tier_stats.attainment is not None:
@@ -143,7 +143,7 @@ class ControlLoop:
             grown = [max(0, a - b) for a, b in zip(totals, before, strict=True)]  # a worker gone: never < 0
             loads[variant] = Load(load.waiting, load.running, grown[0], load.oldest, *grown[1:])
             self._totals[variant] = totals
-        decision = self.controller.step(Observation(now, arrivals, loads, tpot))
+        decision = self.controller.step(Observation(now, arrivals, loads, tpot, ttft))
         if decision.changes:
             self.apply(decision)
         self.decision = decision

@@ -289,3 +289,44 @@ def test_the_door_spreads_a_share_evenly_and_pins_win(tmp_path) -> None:
     assert loop.variant_for(Caller(tier="priority", tier_rank=0)).variant == "int8"
     assert loop.variant_for(free, pinned="int8") == loop.variant_for(free, pinned="int8")
     assert loop.variant_for(free, pinned="int8").pinned
+
+
+def test_the_loop_feeds_the_controller_what_it_measured_and_applies_what_changed() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from serve.control.loop import ControlLoop, policies
+    from serve.metrics import ControlMetrics
+    from serve.tenancy.tenants import BUILTIN_TIERS, Caller
+
+    seen: list[Observation] = []
+    applied: list[Decision] = []
+
+    class Recording(Controller):
+        def step(self, observation: Observation) -> Decision:
+            seen.append(observation)
+            return super().step(observation)
+
+    clock = [100.0]
+    counts = {"int8": Load({"standard": 3}, 2, finished=5, tokens=700, served=5, served_tokens=600)}
+    controller = Recording(ControlConfig(), policies(BUILTIN_TIERS), [Variant("int8", 0.0)])
+    loop = ControlLoop(
+        BUILTIN_TIERS,
+        ["int8"],
+        lambda: counts,
+        applied.append,
+        ControlMetrics(CollectorRegistry(), "t"),
+        controller,
+        clock=lambda: clock[0],
+    )
+    priority = Caller(tier="priority", tier_rank=0)
+    loop.arrived(priority)
+    loop.finished(priority, 2.5, 0.3)
+    loop.tick()
+    assert seen[-1].arrivals == {"priority": 1}
+    assert seen[-1].ttft_p95 == {"priority": 2.5} and seen[-1].tpot_p95 == {"priority": 0.3}
+    assert seen[-1].loads["int8"].tokens == 700 and applied  # the first decision is applied
+    counts["int8"] = Load({"standard": 3}, 2, finished=7, tokens=900, served=7, served_tokens=840)
+    clock[0] += 0.5
+    loop.tick()
+    assert seen[-1].loads["int8"].finished == 2 and seen[-1].loads["int8"].tokens == 200  # differences
+    assert seen[-1].arrivals == {}
