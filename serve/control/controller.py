@@ -12,12 +12,15 @@ Each tick:
    seconds of busy time) over the tokens a recent request cost; until measured it is `capacity`, the operator's
    figure (`qpack bench serve` measures it) when given, else unknown, and nothing is routed or shed on a guess.
 3. **Mode**, with hysteresis: throughput (a larger batch, a larger prefill budget) as soon as the forecast load
-   passes `rise` of capacity for two ticks while the arrivals of the last 2 s confirm it (a burst of a few
-   requests at a low rate makes a trend, not a surge), or a queue builds past half the tightest first-token
-   target: so before the queue when the forecast sees the rise coming; back to latency (a small batch and small prefill
-   chunks, so tokens come fast) only once the arrivals of the last `dwell` seconds average under `fall` of
-   capacity and the queue has stayed small for `dwell` seconds in a row. In throughput mode the batch (seats, token budget and prefill chunk together) follows the
-   measured TPOT: it shrinks while some served tier's p95 nears its target and grows back when there is room.
+   passes `rise` of capacity for two ticks while the arrivals counted over the last seconds confirm it (as
+   many seconds as hold ten arrivals at that rate, at least 2: a burst of a few requests at a low rate makes a
+   trend, not a surge), or a queue builds past half of a tier's first-token target (its predicted wait, as
+   for shedding): so before the queue when the forecast sees the rise coming. Back to latency (a small batch
+   and small prefill chunks, so tokens come fast) only once the arrivals of the last `dwell` seconds average
+   under `fall` of capacity and every tier's predicted wait has stayed under a quarter of its target for
+   `dwell` seconds in a row. In throughput mode the batch (seats, token budget and prefill chunk together)
+   follows the measured TPOT and the top tier's TTFT: it shrinks while one nears its target and grows back
+   when there is room.
 4. **Routing** (several variants of one model): the top tier always runs on the most accurate variant. When the
    forecast load on it passes `rise` of its capacity, the excess moves to the cheaper variant, lowest tier first:
    a tier whole, then a share of the next (`shares`), each only if the variant's measured KL is within the
@@ -219,7 +222,8 @@ class Controller:
         steps = self.config.horizon / self.config.tick
         rates = {t.name: self.forecasts[t.name].forecast(steps) for t in self.tiers}
         self._learn_capacity(observation, elapsed)
-        mode = self._mode(sum(rates.values()), observation, now)
+        before = self.decision.shares if self.decision is not None else {t.name: 0.0 for t in self.tiers}
+        mode = self._mode(sum(rates.values()), self._pressure(rates, before, observation), observation, now)
         shares = self._shares(rates, mode)
         shed_from, retry_after = self._shed(rates, shares, observation)
         knobs = self._knobs(mode, observation, shed_from)
@@ -277,20 +281,31 @@ class Controller:
         targets = [t.slo.ttft for t in self.tiers if t.slo.ttft is not None]
         return min(targets) if targets else None
 
-    def _mode(self, forecast: float, observation: Observation, now: float) -> str:
+    def _pressure(
+        self, rates: dict[str, float], shares: dict[str, float], observation: Observation
+    ) -> float | None:
+        """How close the queue has come to breaking a promise: the largest predicted wait of a tier over its
+        first-token target (None without targets or a capacity). Tiers are served in order, so a queue of free
+        requests presses on the free tier's target only."""
+        waits = self._waits(rates, shares, observation)
+        ratios = [waits[t.rank] / t.slo.ttft for t in self.tiers if t.slo.ttft and t.rank in waits]
+        return max(ratios, default=None)
+
+    def _mode(self, forecast: float, pressure: float | None, observation: Observation, now: float) -> str:
         capacity = self.total_capacity()
         waiting = sum(sum(load.waiting.values()) for load in observation.loads.values())
         load = forecast / capacity if capacity else None
-        tightest = self._tightest_ttft()
-        backlog = waiting / capacity if capacity else None
         building = waiting >= 2 and (
-            (backlog is not None and tightest is not None and backlog > 0.5 * tightest)
-            or (capacity is None and waiting > self.config.latency.max_num_seqs)
+            (pressure is not None and pressure > 0.5)
+            or (pressure is None and waiting > self.config.latency.max_num_seqs)
         )
         recent = self._recent_rate(observation, now)
-        confirmed = capacity is not None and self._rate_over(2.0, now) >= self.config.rise * capacity
+        # as many seconds of arrivals as hold ten at the rise rate (at least 2): a Poisson count that small says
+        # little, and at a request a second a few arrivals in a row are common
+        window = max(2.0, 10.0 / (self.config.rise * capacity)) if capacity else 2.0
+        confirmed = capacity is not None and self._rate_over(window, now) >= self.config.rise * capacity
         self._rising = self._rising + 1 if load is not None and load >= self.config.rise and confirmed else 0
-        small = backlog is None or tightest is None or backlog < 0.25 * tightest
+        small = pressure is None or pressure < 0.25
         calm = small and (capacity is None or recent < self.config.fall * capacity)
         self.calm_since = (self.calm_since if self.calm_since is not None else now) if calm else None
         if self.mode == LATENCY and (self._rising >= self.config.persist or building):
@@ -304,7 +319,7 @@ class Controller:
         """Arrivals a second over the last `dwell` seconds: what the way back to latency mode is judged by (the
         forecast, a few arrivals a tick, is too noisy to stay under a threshold for long)."""
         self._arrived.append((now, sum(observation.arrivals.values())))
-        while self._arrived and self._arrived[0][0] <= now - max(self.config.dwell, 2.0):
+        while self._arrived and self._arrived[0][0] <= now - max(self.config.dwell, 30.0):
             self._arrived.pop(0)
         return self._rate_over(self.config.dwell, now)
 

@@ -330,3 +330,14 @@ def test_the_loop_feeds_the_controller_what_it_measured_and_applies_what_changed
     loop.tick()
     assert seen[-1].loads["int8"].finished == 2 and seen[-1].loads["int8"].tokens == 200  # differences
     assert seen[-1].arrivals == {}
+
+
+def test_a_slow_steady_base_load_stays_in_latency_mode() -> None:
+    """Half a request a second against a capacity of 2.3 (the SmolLM2 server of the surge benchmark): a tick
+    holds none or one, so a burst of three in a second is common; the forecast's trend from it must not keep the
+    server in throughput mode. (Queues that press on a 1 s first-token target do switch it, rightly.)"""
+    sim = Sim({"int8": 2.3})
+    decisions = sim.run(Controller(ControlConfig(capacity=2.3), TIERS, [Variant("int8", 0.0)]), [0.5] * 800)
+    modes = [d.mode for d in decisions]
+    assert modes.count(LATENCY) >= 0.9 * len(modes)
+    assert sum(a != b for a, b in itertools.pairwise(modes)) <= 6
