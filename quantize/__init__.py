@@ -19,7 +19,7 @@ from quantize.common.lazy import lazy_exports
 from quantize.common.version import __version__
 
 if TYPE_CHECKING:
-    from quantize.algorithms.settings import AWQ, GPTQ, RTN, Algorithm, Auto, SmoothQuant
+    from quantize.algorithms.settings import AWQ, GPTQ, RTN, Algorithm, Auto, AutoRound, SmoothQuant
     from quantize.common.config import ConfigError
     from quantize.common.errors import QpackError
     from quantize.config import HeldoutQuality, QuantizeConfig, QuantizeResult
@@ -47,7 +47,8 @@ _EXPORTS = {
         "quantize.formats.schemes",
     ),
     **dict.fromkeys(
-        ("Algorithm", "Auto", "RTN", "GPTQ", "AWQ", "SmoothQuant"), "quantize.algorithms.settings"
+        ("Algorithm", "Auto", "AutoRound", "RTN", "GPTQ", "AWQ", "SmoothQuant"),
+        "quantize.algorithms.settings",
     ),
     "LoadedArtifact": "quantize.io.artifact",
     "load_artifact": "quantize.io.artifact",
@@ -67,6 +68,7 @@ __all__ = [
     "W8A8",
     "Algorithm",
     "Auto",
+    "AutoRound",
     "BnbInt8",
     "BnbNF4",
     "CompressedTensors",

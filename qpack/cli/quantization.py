@@ -13,7 +13,7 @@ from qpack.cli import options as opt
 from qpack.cli.app import app, memory_limit, output, run, sizes
 from qpack.cli.fields import Option, Options, choice
 from qpack.cli.render import artifact_table, inspect_table, plan_summary, plan_table
-from quantize.algorithms import AWQ, GPTQ, RTN, Algorithm, Auto, SmoothQuant
+from quantize.algorithms import AWQ, GPTQ, RTN, Algorithm, Auto, AutoRound, SmoothQuant
 from quantize.common.config import Problems
 from quantize.common.errors import QpackError
 from quantize.config import QuantizeConfig
@@ -50,6 +50,12 @@ def _algorithm(values: dict[str, Any], problems: Problems) -> Algorithm | None:
         "gptq": gptq,
         "awq": AWQ(),
         "smoothquant": smoothquant,
+        "autoround": AutoRound(
+            iters=values["autoround_iters"],
+            batch_tokens=values["autoround_batch_tokens"],
+            init=values["autoround_init"],
+            gptq=gptq,
+        ),
     }
     name = values["algorithm"]
     problems.check_choice(name, "algorithm", choices)
@@ -107,7 +113,7 @@ QUANTIZE = Options(
             ("--algorithm",),
             str,
             "auto",
-            help="auto (gptq for int8/int4, smoothquant for w8a8), rtn, gptq, awq or smoothquant.",
+            help="auto (gptq for int8/int4, smoothquant for w8a8), rtn, gptq, awq, smoothquant or autoround.",
             name="algorithm",
         ),
         Option("", ("--damp",), float, GPTQ.damp, doc=(GPTQ, "damp"), name="damp"),
@@ -121,6 +127,25 @@ QUANTIZE = Options(
         ),
         Option(
             "", ("--smoothquant-alpha",), float, SmoothQuant.alpha, doc=(SmoothQuant, "alpha"), name="alpha"
+        ),
+        Option(
+            "", ("--autoround-iters",), int, AutoRound.iters, doc=(AutoRound, "iters"), name="autoround_iters"
+        ),
+        Option(
+            "",
+            ("--autoround-init",),
+            str,
+            AutoRound.init,
+            doc=(AutoRound, "init"),
+            name="autoround_init",
+        ),
+        Option(
+            "",
+            ("--autoround-batch-tokens",),
+            int,
+            AutoRound.batch_tokens,
+            doc=(AutoRound, "batch_tokens"),
+            name="autoround_batch_tokens",
         ),
         Option("sensitivity.method", ("--sensitivity",)),
         Option("sensitivity.budget_minutes", ("--sensitivity-budget",)),
@@ -153,6 +178,9 @@ QUANTIZE = Options(
         "algorithm.act_order": "--act-order",
         "algorithm.alpha": "--smoothquant-alpha",
         "algorithm.smoothquant.alpha": "--smoothquant-alpha",
+        "algorithm.iters": "--autoround-iters",
+        "algorithm.init": "--autoround-init",
+        "algorithm.batch_tokens": "--autoround-batch-tokens",
     },
 )
 

@@ -107,6 +107,46 @@ class SmoothQuant(Algorithm):
 
 @register_algorithm
 @dataclass(frozen=True)
+class AutoRound(Algorithm):
+    """AutoRound for int8 and int4 weights: per decoder block, a rounding offset per weight and a clipping factor
+    per group's minimum and maximum, learned by signed gradient descent on the block's output error against
+    the FP32 block; other schemes round to nearest."""
+
+    name = "autoround"
+    iters: int = 200
+    """Signed-gradient steps per decoder block."""
+    lr: float = 0.0
+    """Step size at the first step, decaying linearly to 0 (0 = 1 / iters, AutoRound's default)."""
+    batch_tokens: int = 2048
+    """Calibration tokens per step (whole packed rows, drawn in a seeded order)."""
+    init: str = "rtn"
+    """The rounding learning starts from: `rtn` or `gptq` (GPTQ's codes, with `gptq`'s settings)."""
+    gptq: GPTQ = dataclasses.field(default_factory=GPTQ)
+    """The GPTQ settings of `init = "gptq"`."""
+    seed: int = 0
+    """Seed of the batches' order."""
+    INITS: ClassVar[tuple[str, ...]] = ("rtn", "gptq")
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr > 0 else 1.0 / self.iters
+
+    def check(self, problems: Problems, prefix: str = "") -> None:
+        problems.check(self.iters >= 1, f"{prefix}iters", f"must be >= 1 (got {self.iters})")
+        problems.check(0 <= self.lr <= 1, f"{prefix}lr", f"must be in [0, 1] (got {self.lr})")
+        problems.check(
+            self.batch_tokens >= 1, f"{prefix}batch_tokens", f"must be >= 1 (got {self.batch_tokens})"
+        )
+        problems.check(
+            self.init in self.INITS,
+            f"{prefix}init",
+            f"must be one of {', '.join(self.INITS)} (got {self.init!r})",
+        )
+        self.gptq.check(problems, f"{prefix}gptq.")
+
+
+@register_algorithm
+@dataclass(frozen=True)
 class Auto(Algorithm):
     """Each scheme's default method, with these settings."""
 

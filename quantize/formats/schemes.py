@@ -90,7 +90,7 @@ class Int8(Scheme):
     """W8A16: int8 weights, symmetric per output channel (fp32 scale), activations stay floating point."""
 
     type: ClassVar[str] = "int8"
-    algorithms: ClassVar[tuple[str, ...]] = ("rtn", "gptq")
+    algorithms: ClassVar[tuple[str, ...]] = ("rtn", "gptq", "autoround")
 
     def bits_per_weight(self, in_features: int, out_features: int) -> float:
         return 8.0 + 32.0 / in_features
@@ -102,7 +102,7 @@ class Int4(Scheme):
     """W4A16: int4 weights, asymmetric per group of `group_size` input channels (fp16 scale, uint8 zero)."""
 
     type: ClassVar[str] = "int4"
-    algorithms: ClassVar[tuple[str, ...]] = ("rtn", "gptq", "awq")
+    algorithms: ClassVar[tuple[str, ...]] = ("rtn", "gptq", "awq", "autoround")
     group_size: int = 64
     GROUP_SIZES: ClassVar[tuple[int, ...]] = (32, 64, 128)
 

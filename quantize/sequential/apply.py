@@ -8,6 +8,10 @@ SmoothQuant computes one; folded into the previous norm or linear, or kept besid
 planned linear quantized in place of its float weight, which is overwritten with its dequantized form for the
 next block's inputs.
 
+AutoRound learns a block's rounding jointly over its linears: its targets are the FP32 block's outputs on the
+FP32 model's inputs, so with it the pass also carries the FP32 activations (one more list of hidden states) and
+runs each block once more, before it is quantized.
+
 The same single pass measures the result: held-out sequences are carried through each block twice, through
 the original FP32 weights (before anything changes) and through the block's runtime quantized modules (real
 kernel numerics), so the final KL/PPL against FP32 needs no second pass and no second copy of the model. With a
@@ -16,6 +20,7 @@ kernel numerics), so the final KL/PPL against FP32 needs no second pass and no s
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -24,7 +29,7 @@ from torch import nn
 
 from quantize import algorithms as A
 from quantize.common.progress import NULL_PROGRESS, Progress
-from quantize.formats.schemes import W8A8, Int4, Int8
+from quantize.formats.schemes import W8A8, Int4, Int8, Scheme
 from quantize.io.artifact import ArtifactWriter
 from quantize.io.calibration import ChannelStats
 from quantize.model.surgery import (
@@ -50,6 +55,10 @@ class _Run:
     plan: Plan
     stats: dict[str, ChannelStats]
     num_tokens: int
+
+    @property
+    def learns_rounding(self) -> bool:
+        return any(isinstance(a, A.AutoRound) for a in self.plan.algorithms.values())
 
 
 @dataclass
@@ -83,6 +92,7 @@ def apply_plan(
         hidden = [blocks.embed(p) for p in packs]
         reference = [blocks.embed(p) for p in eval_packs]
     candidate = list(reference)
+    fp_hidden = list(hidden) if run.learns_rounding else []
     title = f"Quantizing {blocks.num_layers} blocks on {run.num_tokens:,} calibration tokens"
     with progress.task(title, total=blocks.num_layers) as task, blocks.without_outside():
         for index in range(blocks.num_layers):
@@ -91,8 +101,12 @@ def apply_plan(
                     reference = [
                         blocks.run_block(index, h, p) for h, p in zip(reference, eval_packs, strict=True)
                     ]
+                    if run.learns_rounding:
+                        fp_hidden = [
+                            blocks.run_block(index, h, p) for h, p in zip(fp_hidden, packs, strict=True)
+                        ]
                 block_groups = [g for g in groups if g.block == index]
-                records = _quantize_block(run, index, block_groups, hidden, packs)
+                records = _quantize_block(run, index, block_groups, hidden, packs, fp_hidden)
                 with torch.inference_mode():
                     hidden = [blocks.run_block(index, h, p) for h, p in zip(hidden, packs, strict=True)]
                 _write_block(run, index, records, writer, info)
@@ -125,24 +139,48 @@ def _write_block(
 
 
 def _quantize_block(
-    run: _Run, index: int, block_groups: list[InputGroup], hidden: list[torch.Tensor], packs: list[Pack]
+    run: _Run,
+    index: int,
+    block_groups: list[InputGroup],
+    hidden: list[torch.Tensor],
+    packs: list[Pack],
+    targets: list[torch.Tensor],
 ) -> dict[str, QuantizedWeight]:
+    """The block's planned linears quantized; `targets`: the FP32 block's outputs (only AutoRound reads them)."""
     planned = {m for g in block_groups for m in g.members if run.plan.schemes.get(m) is not None}
-    needs = any(not isinstance(run.plan.algorithms[m], A.RTN) for m in planned)
+    needs = any(_needs_hessian(run.plan.algorithms[m]) for m in planned)
     model = run.blocks.model
     heads = {g.name: get_module(model, g.members[0]) for g in block_groups}
     hessians = input_hessians(run.blocks, index, heads, hidden, packs) if needs else {}
     smooth: dict[str, torch.Tensor] = {}
     info: dict[str, dict[str, Any]] = {}
     records: dict[str, QuantizedWeight] = {}
+    learned: dict[str, tuple[Scheme, torch.Tensor, torch.Tensor | None]] = {}
     with torch.no_grad():
         for group in block_groups:
             members = [m for m in group.members if m in planned]
             if members:
                 _fold_group_scale(run, group, members, hessians, smooth, info)
         for group in block_groups:
-            records.update(_quantize_group(run, group, hessians.pop(group.name, None), smooth, info))
+            records.update(_quantize_group(run, group, hessians.pop(group.name, None), smooth, info, learned))
+    if learned:
+        records.update(_learn_rounding(run, index, learned, hidden, targets, packs))
     return records
+
+
+def _needs_hessian(algorithm: A.Algorithm) -> bool:
+    if isinstance(algorithm, A.AutoRound):
+        return algorithm.init == "gptq"
+    return not isinstance(algorithm, A.RTN)
+
+
+def _gptq_settings(algorithm: A.Algorithm | None) -> A.GPTQ | None:
+    """The GPTQ settings a layer's algorithm runs GPTQ with (itself, or AutoRound's start), if any."""
+    if isinstance(algorithm, A.GPTQ):
+        return algorithm
+    if isinstance(algorithm, A.AutoRound) and algorithm.init == "gptq":
+        return algorithm.gptq
+    return None
 
 
 def _fold_group_scale(
@@ -207,13 +245,15 @@ def _quantize_group(
     hessian: torch.Tensor | None,
     smooth: dict[str, torch.Tensor],
     info: dict[str, dict[str, Any]],
+    learned: dict[str, tuple[Scheme, torch.Tensor, torch.Tensor | None]],
 ) -> dict[str, QuantizedWeight]:
-    """Each planned member of one input group with GPTQ (sharing one prepared Hessian) or RTN."""
+    """Each planned member of one input group with GPTQ (sharing one prepared Hessian) or RTN; AutoRound's
+    members go to `learned` (their weight, and GPTQ's result when learning starts from it) instead."""
     records: dict[str, QuantizedWeight] = {}
     gptq = {
-        fqn: algorithm
+        fqn: settings
         for fqn in group.members
-        if isinstance(algorithm := run.plan.algorithms.get(fqn), A.GPTQ)
+        if (settings := _gptq_settings(run.plan.algorithms.get(fqn))) is not None
         and isinstance(run.plan.schemes.get(fqn), Int8 | Int4 | W8A8)
     }
     settings = next(iter(gptq.values()), None)  # one requested algorithm: the same settings for every member
@@ -226,6 +266,14 @@ def _quantize_group(
         linear = get_linear(run.blocks.model, fqn)
         algorithm = run.plan.algorithms[fqn]
         weight = linear.weight.detach().to(torch.float32)
+        if isinstance(algorithm, A.AutoRound) and isinstance(scheme, Int8 | Int4):
+            start = None
+            if fqn in gptq and prepared is not None:
+                start = handler_for(scheme).dequantize(
+                    scheme, A.quantize_gptq(scheme, weight, prepared, gptq[fqn])
+                )
+            learned[fqn] = (scheme, weight.clone(), start)
+            continue
         if fqn in gptq and prepared is not None:
             tensors = A.quantize_gptq(scheme, weight, prepared, gptq[fqn])
         else:
@@ -235,6 +283,93 @@ def _quantize_group(
         records[fqn] = QuantizedWeight(scheme, algorithm.name, tensors, _bias(linear), info.get(fqn, {}))
         linear.weight.copy_(handler_for(scheme).dequantize(scheme, tensors).to(linear.weight.dtype))
     return records
+
+
+def _learn_rounding(
+    run: _Run,
+    index: int,
+    learned: dict[str, tuple[Scheme, torch.Tensor, torch.Tensor | None]],
+    hidden: list[torch.Tensor],
+    targets: list[torch.Tensor],
+    packs: list[Pack],
+) -> dict[str, QuantizedWeight]:
+    """AutoRound over the block's learned linears together: the block with their fake-quantized weights, on the
+    quantized model's inputs, against the FP32 block's outputs on the FP32 model's inputs (position-weighted
+    MSE), a batch of whole packed rows per step. The hidden states were made in inference mode: a step copies
+    only its batch's inputs (autograd saves them), so the pass holds no second copy of the calibration set."""
+    settings = next(a for fqn in learned if isinstance(a := run.plan.algorithms[fqn], A.AutoRound))
+    prefix = f"model.layers.{index}."
+    roundings = {fqn: A.init_rounding(*learned[fqn]) for fqn in learned}
+    batches = _batches(packs, settings.batch_tokens, settings.iters + 1, settings.seed + index)
+    with run.blocks.block(index) as layer:
+        frozen = [p for p in layer.parameters() if p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(False)
+        ropes = [
+            tuple(t.clone() for t in run.blocks.rope(p, h[:1])) for h, p in zip(hidden, packs, strict=True)
+        ]
+
+        def loss(weights: dict[str, torch.Tensor], step: int) -> torch.Tensor:
+            local = {f"{fqn[len(prefix) :]}.weight": w for fqn, w in weights.items()}
+            total = torch.zeros(())
+            norm = 0.0
+            for i in batches[step]:
+                pack = packs[i]
+                out = torch.func.functional_call(
+                    layer,
+                    local,
+                    (hidden[i].clone(),),
+                    {
+                        "attention_mask": pack.mask,
+                        "position_ids": pack.position_ids,
+                        "position_embeddings": ropes[i],
+                    },
+                )
+                out = out[0] if isinstance(out, tuple) else out
+                error = (out - targets[i]).pow(2).sum(dim=-1)[0]
+                total = total + (error * pack.weights).sum()
+                norm += float(pack.weights.sum()) * out.shape[-1]
+            return total / max(norm, 1.0)
+
+        try:
+            with torch.enable_grad():
+                result = A.learn_rounding(roundings, loss, settings)
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+    records: dict[str, QuantizedWeight] = {}
+    with torch.no_grad():
+        for fqn, rounding in roundings.items():
+            scheme = rounding.scheme
+            tensors = A.stored_tensors(rounding)
+            linear = get_linear(run.blocks.model, fqn)
+            info = {"autoround_init": settings.init, **result.to_info()}
+            records[fqn] = QuantizedWeight(scheme, settings.name, tensors, _bias(linear), info)
+            linear.weight.copy_(handler_for(scheme).dequantize(scheme, tensors).to(linear.weight.dtype))
+    return records
+
+
+def _batches(packs: list[Pack], tokens: int, steps: int, seed: int) -> list[list[int]]:
+    """`steps` batches of pack indices, each whole rows adding up to about `tokens`, every pack once per epoch
+    in a seeded order."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    batches: list[list[int]] = []
+    while len(batches) < steps:
+        batch: list[int] = []
+        size = 0
+        while size < tokens and len(batch) < len(packs):
+            if not order:
+                order = list(range(len(packs)))
+                rng.shuffle(order)
+            i = order.pop()
+            if i in batch:
+                order.insert(0, i)
+                break
+            batch.append(i)
+            size += packs[i].num_tokens
+        batches.append(batch)
+    return batches
 
 
 def _finish_outside_blocks(

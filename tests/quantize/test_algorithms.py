@@ -92,3 +92,64 @@ def test_singular_hessian_is_damped() -> None:
     hessian[:4, :4] = torch.eye(4)
     tensors = A.quantize_gptq(Int8(), weight, hessian)
     assert torch.isfinite(handler_for(Int8()).dequantize(Int8(), tensors)).all()
+
+
+@pytest.mark.parametrize("scheme", [Int8(), Int4(32), Int4(64)], ids=lambda s: s.label())
+def test_autoround_starts_from_rtn_or_gptq_exactly_and_stores_what_it_trained(scheme, layer_inputs) -> None:
+    handler = handler_for(scheme)
+    weight, x = layer_inputs["model.layers.2.mlp.up_proj"]
+    h = x.t() @ x
+    rtn = A.quantize_rtn(scheme, weight)
+    start = A.init_rounding(scheme, weight)
+    for name, tensor in A.stored_tensors(start).items():
+        assert torch.equal(tensor, rtn[name]), name
+    gptq = A.quantize_gptq(scheme, weight, h)
+    from_gptq = A.init_rounding(scheme, weight, handler.dequantize(scheme, gptq))
+    for name, tensor in A.stored_tensors(from_gptq).items():
+        assert torch.equal(tensor, gptq[name]), name
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        start.offset.uniform_(-0.5, 0.5, generator=generator)
+        start.min_scale.uniform_(0.6, 1.0, generator=generator)
+        start.max_scale.uniform_(0.6, 1.0, generator=generator)
+    trained = A.learned_weight(start).detach()
+    assert torch.equal(handler.dequantize(scheme, A.stored_tensors(start)), trained)
+    assert not torch.equal(trained, handler.dequantize(scheme, rtn))
+
+
+@pytest.mark.parametrize("scheme", [Int8(), Int4(32)], ids=lambda s: s.label())
+def test_autoround_lowers_a_layers_output_error_below_rtn(scheme, layer_inputs) -> None:
+    handler = handler_for(scheme)
+    settings = A.AutoRound(iters=100)
+    for name, (weight, x) in layer_inputs.items():
+        h = x.t() @ x
+        target = x @ weight.t()
+        rounding = A.init_rounding(scheme, weight)
+
+        def loss(weights: dict[str, torch.Tensor], _step: int, x=x, target=target) -> torch.Tensor:
+            return (x @ weights["w"].t() - target).pow(2).mean()
+
+        result = A.learn_rounding({"w": rounding}, loss, settings)
+        assert result.best_loss <= result.initial_loss
+        assert float(rounding.offset.detach().abs().max()) <= 0.5
+        assert float(rounding.min_scale.detach().min()) >= 0.0
+        assert float(rounding.max_scale.detach().max()) <= 1.0
+        learned = handler.dequantize(scheme, A.stored_tensors(rounding))
+        rtn = handler.dequantize(scheme, A.quantize_rtn(scheme, weight))
+        gptq = handler.dequantize(scheme, A.quantize_gptq(scheme, weight, h))
+        errors = {
+            label: float(output_error(w - weight, h))
+            for label, w in (("autoround", learned), ("rtn", rtn), ("gptq", gptq))
+        }
+        assert errors["autoround"] < (0.9 if isinstance(scheme, Int4) else 0.97) * errors["rtn"], (
+            name,
+            errors,
+        )
+
+
+def test_autoround_settings_are_checked_and_round_trip() -> None:
+    with pytest.raises(Exception, match=r"iters.*init"):
+        A.AutoRound(iters=0, init="awq").validate()
+    settings = A.AutoRound(iters=7, init="gptq", gptq=A.GPTQ(damp=0.05))
+    assert A.Algorithm.from_json(settings.to_json()) == settings
+    assert settings.learning_rate == pytest.approx(1 / 7)

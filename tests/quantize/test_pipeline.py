@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantize.algorithms import AWQ, GPTQ, RTN, Algorithm
+from quantize.algorithms import AWQ, GPTQ, RTN, Algorithm, AutoRound
 from quantize.common.config import ConfigError
 from quantize.common.errors import QpackError
 from quantize.config import QuantizeConfig
@@ -216,6 +216,32 @@ def test_gptq_and_awq_beat_rtn_on_real_fp32_weights(stories_calibration, tmp_pat
             assert any("awq_alpha" in v for v in info.values())
     assert kl["gptq"] < 0.8 * kl["rtn"], kl
     assert kl["awq"] < kl["rtn"], kl
+
+
+def test_autoround_beats_gptq_end_to_end_and_records_its_training(stories_calibration, tmp_path):
+    kl = {}
+    algorithms: list[Algorithm] = [GPTQ(), AutoRound(iters=40, batch_tokens=1024)]
+    for algorithm in algorithms:
+        out = tmp_path / algorithm.name
+        result = quantize_model(
+            _config(
+                stories_calibration,
+                out,
+                preset=PRESETS["int4"],
+                schemes=(Int4(32),),
+                algorithm=algorithm,
+                overrides={"re:.*down_proj": Int8()},
+                eval_tokens=512,
+            )
+        )
+        kl[algorithm.name] = result.quality.kl
+        assert result.manifest["quantization"]["algorithm"] == algorithm.to_json()
+        verify_artifact(out)
+    info = result.manifest["quantization"]["module_info"]
+    learned = {fqn: v for fqn, v in info.items() if "autoround_best_loss" in v}
+    assert any("down_proj" in fqn for fqn in learned) and any("q_proj" in fqn for fqn in learned)
+    assert all(v["autoround_best_loss"] <= v["autoround_initial_loss"] for v in learned.values())
+    assert kl["autoround"] < 0.7 * kl["gptq"], kl
 
 
 def test_planner_spends_bits_where_sensitivity_is(stories_calibration, tmp_path):
