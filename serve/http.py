@@ -53,6 +53,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether `port` on `host` cannot be bound now (a listener, or a connection's local end, holds it)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 class BackgroundServer:
     """A server on a thread: `with BackgroundServer(engine, info) as url: ...`, or any app with
     `state.start_draining`: `BackgroundServer(app)`."""

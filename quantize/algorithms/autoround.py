@@ -32,6 +32,7 @@ from quantize.formats.schemes import Int4, Int8, Scheme
 from quantize.runtime.handlers import Int4Handler
 
 _EPS = 1e-12
+_FP16_TINY = 2.0**-24
 OFFSET_LIMIT = 0.5
 SCALE_RANGE = (0.0, 1.0)
 
@@ -117,14 +118,16 @@ def _grid(r: Rounding) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _codes(r: Rounding, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    """[N, G, g] codes (straight-through), on the scheme's integer range."""
+    """[N, G, g] codes (straight-through), on the scheme's integer range. A scale that fp16 rounds to 0 (an
+    all-zero group) divides as the smallest fp16 number: its codes are then finite and dequantize to 0."""
     n, k = r.weight.shape
     g = r.group_size
     w = r.weight.reshape(n, k // g, g)
     v = r.offset.reshape(n, k // g, g)
+    divisor = scale.clamp_min(_FP16_TINY)[..., None]
     if zero is None:
-        return _round_ste(w / scale[..., None] + v).clamp(-P.INT8_MAX, P.INT8_MAX)
-    return (_round_ste(w / scale[..., None] + v) + zero[..., None]).clamp(0, P.INT4_MAX)
+        return _round_ste(w / divisor + v).clamp(-P.INT8_MAX, P.INT8_MAX)
+    return (_round_ste(w / divisor + v) + zero[..., None]).clamp(0, P.INT4_MAX)
 
 
 def learned_weight(r: Rounding) -> torch.Tensor:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from quantize.common.errors import QpackError
 from serve.fleet.gateway import Gateway, GatewayConfig, create_gateway_app
 from serve.fleet.worker import FleetWorker, WorkerConfig
-from serve.http import BackgroundServer, serve_app
+from serve.http import BackgroundServer, free_port, port_in_use, serve_app
 from serve.loading import reference_name, start_engine
 from serve.openai.routes import ServerInfo
 from serve.options import ServeOptions
@@ -74,9 +74,20 @@ def run_worker(options: ServeOptions, log: Callable[[str], None]) -> None:
     signal.signal(  # a reload sent to every `qpack serve` process must not end the workers
         signal.SIGHUP, lambda *_args: log("fleet worker: nothing to reload (tenants are the gateway's)")
     )
-    log(f"qpack fleet worker {config.worker_id}: {loaded.name} v{loaded.version} (queue: {url})")
-    with BackgroundServer(worker_app(worker), port=options.port, host=options.host):
+    port = worker_port(options.host, options.port, log)
+    log(f"qpack fleet worker {config.worker_id}: {loaded.name} v{loaded.version} (queue: {url}, port {port})")
+    with BackgroundServer(worker_app(worker), port=port, host=options.host):
         worker.run(stop)
+
+
+def worker_port(host: str, port: int, log: Callable[[str], None]) -> int:
+    """`port`, or a free one (said in the log) when something holds it: a worker's HTTP face is only its /health
+    and /metrics, so a taken port must not keep it from serving the queue."""
+    if not port_in_use(host, port):
+        return port
+    chosen = free_port()
+    log(f"fleet worker: port {port} is in use; /health and /metrics on port {chosen} instead")
+    return chosen
 
 
 def worker_app(worker: FleetWorker) -> FastAPI:
@@ -102,7 +113,9 @@ def worker_options(options: ServeOptions, index: int) -> ServeOptions:
     """The options of a `--role all` gateway's INDEX-th worker: the same engine limits, the targets in turn (with
     `variants`, under the name of the model they were built from), its own port after the gateway's, one thread
     unless --threads says otherwise, its /health and /metrics on loopback, and no API keys or tenants (a worker
-    serves no API and trusts the gateway's stamp; its options travel on a command line)."""
+    serves no API and trusts the gateway's stamp; its options travel on a command line). The ports after the
+    gateway's may be held by a client connection's local end (loopback clients take ephemeral ports): a worker
+    that finds its port taken serves /health and /metrics on a free one and says which."""
     targets = (options.target or "", *options.variants)
     return dataclasses.replace(
         options,

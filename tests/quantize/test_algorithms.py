@@ -153,3 +153,15 @@ def test_autoround_settings_are_checked_and_round_trip() -> None:
     settings = A.AutoRound(iters=7, init="gptq", gptq=A.GPTQ(damp=0.05))
     assert A.Algorithm.from_json(settings.to_json()) == settings
     assert settings.learning_rate == pytest.approx(1 / 7)
+
+
+def test_autoround_keeps_an_all_zero_group_finite_and_zero() -> None:
+    scheme = Int4(32)
+    weight = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    weight[1, :32] = 0.0
+    rounding = A.init_rounding(scheme, weight)
+    learned = A.learned_weight(rounding)
+    assert bool(torch.isfinite(learned).all())
+    assert torch.equal(learned[1, :32], torch.zeros(32))
+    stored = handler_for(scheme).dequantize(scheme, A.stored_tensors(rounding))
+    assert torch.equal(stored, learned.detach())

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantize.algorithms import AutoRound
 from quantize.common.errors import QpackError
 from quantize.config import QuantizeConfig
 from quantize.formats.schemes import Int4
@@ -79,6 +80,26 @@ def test_calibrate_and_quantize_hold_at_most_two_blocks_and_write_shards(
     ids = torch.tensor([[1, 5, 6, 7]])
     with torch.inference_mode():
         assert torch.isfinite(loaded.model(input_ids=ids).logits).all()
+
+
+def test_autoround_streams_block_by_block_too(sharded_bf16: Path, tmp_path: Path, make_calibration) -> None:
+    cal = make_calibration(sharded_bf16, tmp_path / "cal", n=48)
+    config = QuantizeConfig(
+        output=tmp_path / "art",
+        calibration=cal,
+        preset=PRESETS["int4"],
+        schemes=(Int4(32),),
+        algorithm=AutoRound(iters=4, batch_tokens=128),
+        sensitivity=SensitivityConfig(num_tokens=64),
+        calib_tokens=256,
+        eval_tokens=128,
+    )
+    result = quantize_model(config)
+    memory = result.manifest["memory"]
+    assert memory["peak_blocks_materialized"] <= 2 and memory["block_loads"] == 6
+    info = result.manifest["quantization"]["module_info"]
+    assert sum("autoround_best_loss" in v for v in info.values()) == 6 * 7
+    verify_artifact(tmp_path / "art")
 
 
 def test_a_tampered_shard_is_refused_and_one_file_artifacts_still_load(

@@ -3,6 +3,7 @@ process's own entry point refusing what it cannot run in one line."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from quantize.common.errors import QpackError
-from serve.fleet.run import worker_options
+from serve.fleet.run import worker_options, worker_port
+from serve.http import free_port
 from serve.options import ServeOptions
 
 
@@ -98,3 +100,17 @@ def test_role_all_spreads_its_workers_over_the_variants(tmp_path: Path) -> None:
     assert single.model_name is None  # one build: the artifact's own name, as before
     with pytest.raises(QpackError, match="variants"):
         ServeOptions(builds[0], variants=(builds[1],), role="worker", redis="redis://x/0").validate()
+
+
+def test_a_worker_whose_port_is_taken_serves_its_health_on_a_free_one() -> None:
+    """`--role all` gives workers the ports after the gateway's, where a loopback client's connection may sit."""
+    said: list[str] = []
+    port = free_port()
+    assert worker_port("127.0.0.1", port, said.append) == port and said == []
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        chosen = worker_port("127.0.0.1", port, said.append)
+    assert chosen != port and said == [
+        f"fleet worker: port {port} is in use; /health and /metrics on port {chosen} instead"
+    ]
