@@ -59,7 +59,7 @@ class Rounding:
         return self.scheme.group_size if isinstance(self.scheme, Int4) else int(self.weight.shape[1])
 
     def parameters(self) -> list[torch.Tensor]:
-        return [self.offset, self.min_scale, self.max_scale]
+        return list(self._named().values())
 
     def keep_best(self) -> None:
         self.best = {name: t.detach().clone() for name, t in self._named().items()}

@@ -272,7 +272,7 @@ def _quantize_group(
                 start = handler_for(scheme).dequantize(
                     scheme, A.quantize_gptq(scheme, weight, prepared, gptq[fqn])
                 )
-            learned[fqn] = (scheme, weight.clone(), start)
+            learned[fqn] = (scheme, weight, start)
             continue
         if fqn in gptq and prepared is not None:
             tensors = A.quantize_gptq(scheme, weight, prepared, gptq[fqn])
