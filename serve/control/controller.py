@@ -25,7 +25,8 @@ Each tick:
    forecast load on it passes `rise` of its capacity, the excess moves to the cheaper variant, lowest tier first:
    a tier whole, then a share of the next (`shares`), each only if the variant's measured KL is within the
    tier's `max_kl`; the shares fall back to nothing in latency mode.
-5. **Shedding**, only after routing: a tier is refused (429, `Retry-After` the forecast time for its queue to
+5. **Shedding**, only after routing (a tier that may run on the cheaper variant runs there whole for at least
+   one tick before it is refused): a tier is refused (429, `Retry-After` the forecast time for its queue to
    drain) while the wait predicted for its next request (the queue of its own and higher tiers on the variants
    it runs on, over the capacity those leave) passes `margin` of its first-token target; it is admitted again
    under half of it. Refusals are monotone: when a tier is shed every lower tier is too, and the top tier never
@@ -226,6 +227,8 @@ class Controller:
         mode = self._mode(sum(rates.values()), self._pressure(rates, before, observation), observation, now)
         shares = self._shares(rates, mode)
         shed_from, retry_after = self._shed(rates, shares, observation)
+        shares, shed_from = self._route_before_shedding(shares, shed_from, mode)
+        retry_after = retry_after if shed_from is not None else 0.0
         knobs = self._knobs(mode, observation, shed_from)
         cheap = self.variants[1].name if len(self.variants) > 1 else None
         decision = Decision(
@@ -350,6 +353,31 @@ class Controller:
             shares[tier.name] = moved / rate if rate > 0 else 1.0
             excess -= moved
         return shares
+
+    def _route_before_shedding(
+        self, shares: dict[str, float], shed_from: int | None, mode: str
+    ) -> tuple[dict[str, float], int | None]:
+        """A tier about to be refused that may run on the cheaper variant, and did not run on it whole last
+        tick, moves there whole for this tick instead; it is refused from the next tick if its wait still
+        calls for it. So routing always comes before shedding, even when a queue jumps past both thresholds
+        within one tick (a slow machine, a long tick)."""
+        previous = self.decision.shed_from if self.decision is not None else None
+        cheap = self.variants[1] if len(self.variants) > 1 else None
+        if shed_from is None or cheap is None or not self.config.route or mode == LATENCY:
+            return shares, shed_from
+        before = self.decision.shares if self.decision is not None else {}
+        newly = [
+            t
+            for t in self.tiers
+            if t.rank >= shed_from
+            and (previous is None or t.rank < previous)
+            and (t.max_kl is None or cheap.kl <= t.max_kl)
+            and before.get(t.name, 0.0) < 1.0 - 1e-9
+        ]
+        if not newly:
+            return shares, shed_from
+        self.shed_from = previous
+        return {**shares, **{t.name: 1.0 for t in newly}}, previous
 
     # ------------------------------------------------------------------ shedding
 

@@ -168,6 +168,9 @@ class ControlLoop:
         for kind in decision.changes:
             metrics.decisions.labels(kind).inc()
 
-    def run(self, stop: threading.Event, interval: float = 0.5) -> None:
+    def run(self, stop: threading.Event, interval: float | None = None) -> None:
+        """Tick every `interval` seconds (the controller's own tick unless given) until `stop` is set."""
+        if interval is None:
+            interval = self.controller.config.tick if self.controller is not None else 0.5
         while not stop.wait(interval):
             self.tick()

@@ -175,6 +175,25 @@ def test_routing_moves_the_excess_lowest_tier_first_within_budgets_before_sheddi
     assert first_route <= first_shed
 
 
+def test_a_queue_past_both_thresholds_in_one_tick_is_routed_whole_for_a_tick_before_it_is_shed() -> None:
+    """A slow machine (or a long tick): the free queue jumps past its shedding threshold in the very tick the
+    mode turns to throughput. The free tier runs whole on the cheaper variant for that tick, and is refused
+    only from the next one; standard (outside its budget) is shed without that tick."""
+    variants = [Variant("int8", 0.001), Variant("int4", 0.1)]
+    control = Controller(ControlConfig(capacity=1.0, pooled=True), TIERS, variants)
+    quiet = control.step(Observation(0.0, {}, {"int8": Load({}, 0, 0), "int4": Load({}, 0, 0)}))
+    assert quiet.shed_from is None and quiet.mode == LATENCY
+    flooded = {"int8": Load({"free": 40}, 2, 0), "int4": Load({}, 0, 0)}
+    first = control.step(Observation(TICK, {"free": 40}, flooded))
+    assert first.mode == THROUGHPUT and first.shed_from is None and first.retry_after == 0.0
+    assert first.shares["free"] == 1.0 and first.shares["priority"] == 0.0
+    second = control.step(Observation(2 * TICK, {"free": 40}, flooded))
+    assert second.shed_from == 2 and second.retry_after >= 1.0
+    queued = {"int8": Load({"standard": 40, "free": 40}, 2, 0), "int4": Load({}, 0, 0)}
+    third = control.step(Observation(3 * TICK, {"standard": 40}, queued))
+    assert third.shed_from == 1  # standard may not run on int4 (KL 0.1 over its 0.05): no tick to wait for
+
+
 def test_a_tier_outside_its_quality_budget_is_never_moved() -> None:
     variants = [Variant("int8", 0.001), Variant("int4", 0.1)]
     decisions = Sim({"int8": 10.0, "int4": 10.0}).run(controller(variants=variants), surge(4.0, 17.0))
