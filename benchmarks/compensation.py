@@ -13,54 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quantize_runs import run
+
 GROUPS = (64, 128)
-CHILD = r"""
-import json, resource, sys, time
-from pathlib import Path
-sys.path.insert(0, sys.argv[2])
-from quantize.algorithms import Algorithm
-from quantize.common.memory import release_freed_memory
-from quantize.formats.schemes import Int4
-from quantize.pipeline import QuantizeConfig, quantize_model
-from quantize.planning.presets import PRESETS
-release_freed_memory()
-spec = json.loads(sys.argv[1])
-options = spec["options"]
-group = options.get("group_size")
-started = time.perf_counter()
-result = quantize_model(QuantizeConfig(
-    output=Path(spec["output"]), calibration=Path(spec["calibration"]), overwrite=True,
-    preset=PRESETS[options["preset"]], schemes=(Int4(group),) if group else (),
-    algorithm=Algorithm.from_json(options["algorithm"]),
-))
-print(json.dumps({
-    "seconds": time.perf_counter() - started,
-    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    "quality": result.manifest["quality"],
-    "timings": result.manifest["timings_s"],
-    "plan": result.manifest["quantization"]["summary"],
-}))
-"""
-
-
-def run(name: str, calibration: Path, out: Path, options: dict[str, object]) -> dict[str, object]:
-    spec = {"output": str(out / name), "calibration": str(calibration), "options": options}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(spec), str(ROOT)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
 
 
 def configurations(iters: int, batch_tokens: int) -> dict[str, dict[str, object]]:

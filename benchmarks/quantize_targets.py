@@ -12,51 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-CHILD = r"""
-import json, resource, sys, time
-from pathlib import Path
-from quantize.common.memory import release_freed_memory
-from quantize.pipeline import QuantizeConfig, quantize_model
-release_freed_memory()
-spec = json.loads(sys.argv[1])
-started = time.perf_counter()
-result = quantize_model(QuantizeConfig(output=Path(spec["output"]), calibration=Path(spec["calibration"]),
-                                       overwrite=True, **spec["options"]))
-print(json.dumps({
-    "seconds": time.perf_counter() - started,
-    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    "quality": result.manifest["quality"],
-    "size": result.manifest["size"],
-    "timings": result.manifest["timings_s"],
-    "plan": result.manifest["quantization"]["summary"],
-}))
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quantize_runs import run
 
 RUNS: dict[str, dict[str, object]] = {
     "int8": {"preset": "int8"},
-    "int4-g64-rtn": {"preset": "int4", "group_size": 64, "algorithm": "rtn"},
-    "int4-g64-gptq": {"preset": "int4", "group_size": 64, "algorithm": "gptq"},
-    "int4-g64-awq": {"preset": "int4", "group_size": 64, "algorithm": "awq"},
+    "int4-g64-rtn": {"preset": "int4", "group_size": 64, "algorithm": {"name": "rtn"}},
+    "int4-g64-gptq": {"preset": "int4", "group_size": 64, "algorithm": {"name": "gptq"}},
+    "int4-g64-awq": {"preset": "int4", "group_size": 64, "algorithm": {"name": "awq"}},
     "mixed": {"preset": "mixed"},
 }
-
-
-def run(name: str, calibration: Path, out: Path, options: dict[str, object]) -> dict[str, object]:
-    spec = {"output": str(out / name), "calibration": str(calibration), "options": options}
-    started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True, check=False
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["wall_s"] = time.perf_counter() - started
-    return result
 
 
 def main() -> None:

@@ -1,0 +1,57 @@
+"""One `quantize_model` run per process, for the benchmarks that compare quantize configurations: each child's
+peak RSS is its own, and a configuration is plain JSON (`preset` name, optional `group_size` for int4, optional
+`algorithm` as its `to_json` dict; without one, the preset's default), so a run is reproducible from its line
+in the results file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, resource, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from quantize.algorithms import Algorithm
+from quantize.common.memory import release_freed_memory
+from quantize.formats.schemes import Int4
+from quantize.pipeline import QuantizeConfig, quantize_model
+from quantize.planning.presets import PRESETS
+release_freed_memory()
+spec = json.loads(sys.argv[1])
+options = spec["options"]
+group = options.get("group_size")
+extra = {"algorithm": Algorithm.from_json(options["algorithm"])} if "algorithm" in options else {}
+started = time.perf_counter()
+result = quantize_model(QuantizeConfig(
+    output=Path(spec["output"]), calibration=Path(spec["calibration"]), overwrite=True,
+    preset=PRESETS[options["preset"]], schemes=(Int4(group),) if group else (), **extra,
+))
+print(json.dumps({
+    "seconds": time.perf_counter() - started,
+    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "quality": result.manifest["quality"],
+    "size": result.manifest["size"],
+    "timings": result.manifest["timings_s"],
+    "plan": result.manifest["quantization"]["summary"],
+}))
+"""
+
+
+def run(name: str, calibration: Path, out: Path, options: dict[str, object]) -> dict[str, object]:
+    """Quantize `calibration`'s model with `options` into `out/name` in a child process; its measurements."""
+    spec = {"output": str(out / name), "calibration": str(calibration), "options": options}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(spec), str(ROOT)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
