@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,8 +44,10 @@ print(json.dumps({
 
 
 def run(name: str, calibration: Path, out: Path, options: dict[str, object]) -> dict[str, object]:
-    """Quantize `calibration`'s model with `options` into `out/name` in a child process; its measurements."""
+    """Quantize `calibration`'s model with `options` into `out/name` in a child process; its measurements, and
+    `wall_s` the child's whole life (start-up and imports included)."""
     spec = {"output": str(out / name), "calibration": str(calibration), "options": options}
+    started = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(spec), str(ROOT)],
         capture_output=True,
@@ -54,4 +57,5 @@ def run(name: str, calibration: Path, out: Path, options: dict[str, object]) -> 
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
     result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["wall_s"] = time.perf_counter() - started
     return result

@@ -208,7 +208,6 @@ class Controller:
         self.calm_since: float | None = None  # since when the load has been low enough for latency mode
         self.scale = 1.0  # of the throughput knobs, steered by the measured TPOT
         self._tuned_at = -1e9
-        self.shed_from: int | None = None
         self._busy: dict[str, bool] = {}
         self.decision: Decision | None = None
 
@@ -230,7 +229,7 @@ class Controller:
         shares, shed_from = self._route_before_shedding(shares, shed_from, mode)
         retry_after = retry_after if shed_from is not None else 0.0
         knobs = self._knobs(mode, observation, shed_from)
-        cheap = self.variants[1].name if len(self.variants) > 1 else None
+        cheap = self._cheap
         decision = Decision(
             mode,
             knobs,
@@ -240,7 +239,7 @@ class Controller:
             retry_after,
             shares,
             self.variants[0].name,
-            cheap,
+            cheap.name if cheap is not None else None,
         )
         decision = dataclasses.replace(decision, changes=self._changes(decision))
         self.decision = decision
@@ -334,11 +333,25 @@ class Controller:
 
     # ------------------------------------------------------------------ routing
 
+    @property
+    def _cheap(self) -> Variant | None:
+        """The cheaper variant the lower tiers may move to (None with one variant)."""
+        return self.variants[1] if len(self.variants) > 1 else None
+
+    def _may_route(self, tier: TierPolicy, cheap: Variant) -> bool:
+        """Whether `tier`'s quality budget allows the cheaper variant (the top tier never moves)."""
+        return tier.rank > 0 and (tier.max_kl is None or cheap.kl <= tier.max_kl)
+
+    @property
+    def _shed_before(self) -> int | None:
+        """The rank refused from at the last tick (None: nothing was)."""
+        return self.decision.shed_from if self.decision is not None else None
+
     def _shares(self, rates: dict[str, float], mode: str) -> dict[str, float]:
         """Per tier, the share of its requests the cheaper variant takes: the forecast load past `rise` of the
         accurate variant's capacity, lowest tier first, within each tier's quality budget."""
         shares = {t.name: 0.0 for t in self.tiers}
-        cheap = self.variants[1] if len(self.variants) > 1 else None
+        cheap = self._cheap
         capacity = self._capacity_of(self._group_of(self.variants[0].name))
         if cheap is None or not self.config.route or mode == LATENCY or not capacity:
             return shares
@@ -346,7 +359,7 @@ class Controller:
         for tier in reversed(self.tiers):  # lowest first; never the top tier
             if excess <= 0 or tier.rank == 0:
                 break
-            if tier.max_kl is not None and cheap.kl > tier.max_kl:
+            if not self._may_route(tier, cheap):
                 continue
             rate = rates[tier.name]
             moved = min(rate, excess)
@@ -361,8 +374,7 @@ class Controller:
         tick, moves there whole for this tick instead; it is refused from the next tick if its wait still
         calls for it. So routing always comes before shedding, even when a queue jumps past both thresholds
         within one tick (a slow machine, a long tick)."""
-        previous = self.decision.shed_from if self.decision is not None else None
-        cheap = self.variants[1] if len(self.variants) > 1 else None
+        previous, cheap = self._shed_before, self._cheap
         if shed_from is None or cheap is None or not self.config.route or mode == LATENCY:
             return shares, shed_from
         before = self.decision.shares if self.decision is not None else {}
@@ -371,12 +383,11 @@ class Controller:
             for t in self.tiers
             if t.rank >= shed_from
             and (previous is None or t.rank < previous)
-            and (t.max_kl is None or cheap.kl <= t.max_kl)
+            and self._may_route(t, cheap)
             and before.get(t.name, 0.0) < 1.0 - 1e-9
         ]
         if not newly:
             return shares, shed_from
-        self.shed_from = previous
         return {**shares, **{t.name: 1.0 for t in newly}}, previous
 
     # ------------------------------------------------------------------ shedding
@@ -433,11 +444,10 @@ class Controller:
             target, wait = tier.slo.ttft, waits.get(tier.rank)
             if target is None or wait is None:
                 continue
-            already = self.shed_from is not None and tier.rank >= self.shed_from
+            already = self._shed_before is not None and tier.rank >= self._shed_before
             if wait > self.config.margin * target or (already and wait > 0.5 * target):
                 shed_from = tier.rank
                 break
-        self.shed_from = shed_from
         if shed_from is None:
             return None, 0.0
         tier = next(t for t in self.tiers if t.rank == shed_from)
