@@ -183,6 +183,7 @@ def watch(url: str, stop: threading.Event, samples: list[Sample], t0: float) -> 
         "qpack_control_mode",
         "qpack_control_forecast_rps",
         "qpack_control_shed_from_rank",
+        "qpack_control_shed_share",
         "qpack_control_capacity_rps",
         "qpack_queue_depth",
         "qpack_running_requests",
@@ -190,6 +191,7 @@ def watch(url: str, stop: threading.Event, samples: list[Sample], t0: float) -> 
         "qpack_fleet_control_mode",
         "qpack_fleet_control_forecast_rps",
         "qpack_fleet_control_shed_from_rank",
+        "qpack_fleet_control_shed_share",
         "qpack_fleet_queue_depth",
         "qpack_fleet_variant_requests_total",
     )
@@ -304,7 +306,8 @@ def controller_timing(
     samples: list[dict[str, Any]], rise_at: float, steady: tuple[float, float]
 ) -> dict[str, Any]:
     """When the controller last switched to throughput mode around the rise at `rise_at` (seconds after it;
-    negative: ahead of it), and how many mode switches it made while the rate was steady."""
+    negative: ahead of it), how many mode switches it made while the rate was steady, and how often the shed
+    level (the rank shed from) changed then."""
     modes = [
         (
             s["at"],
@@ -325,7 +328,18 @@ def controller_timing(
     acted = next((at - rise_at for at, m in modes if at >= since and m == 1.0), None)
     held = [m for at, m in modes if steady[0] <= at < steady[1]]
     switches = sum(a != b for a, b in itertools.pairwise(held))
-    return {"acted_after_rise_s": acted, "switches_while_steady": switches}
+    levels = [
+        v
+        for s in samples
+        if steady[0] <= s["at"] < steady[1]
+        for k, v in s["values"].items()
+        if k.endswith("control_shed_from_rank")
+    ]
+    return {
+        "acted_after_rise_s": acted,
+        "switches_while_steady": switches,
+        "shed_level_changes_while_steady": sum(a != b for a, b in itertools.pairwise(levels)),
+    }
 
 
 def timeline(name: str, result: dict[str, Any], out: Path, phases: tuple[float, float, float]) -> None:
@@ -354,11 +368,16 @@ def timeline(name: str, result: dict[str, Any], out: Path, phases: tuple[float, 
     mode = [
         (s["at"], v) for s in samples for k, v in s["values"].items() if k.endswith('mode{mode="throughput"}')
     ]
-    shed = [(s["at"], v) for s in samples for k, v in s["values"].items() if k.endswith("shed_from_rank")]
+    shed = [
+        (s["at"], v + s["values"].get(k.replace("shed_from_rank", "shed_share"), 1.0) - 1.0 if v >= 0 else v)
+        for s in samples
+        for k, v in s["values"].items()
+        if k.endswith("shed_from_rank")
+    ]
     if mode:
         axes[2].step(*zip(*mode, strict=True), label="throughput mode", where="post")
     if shed:
-        axes[2].step(*zip(*shed, strict=True), label="shed from rank (-1 none)", where="post")
+        axes[2].step(*zip(*shed, strict=True), label="shed level: rank - 1 + share (-1 none)", where="post")
     axes[2].legend()
     variants = sorted({o["variant"] for o in outcomes if o["variant"]})
     for variant in variants:

@@ -91,7 +91,12 @@ class ControlMetrics:
         )
         self.shed_from = Gauge(
             f"{prefix}_control_shed_from_rank",
-            "Tiers of this rank and lower are refused (-1: none)",
+            "The tier of this rank is shed (its shed share), every lower one refused (-1: none)",
+            registry=r,
+        )
+        self.shed_share = Gauge(
+            f"{prefix}_control_shed_share",
+            "The share of the shed tier's requests refused (0: none)",
             registry=r,
         )
         self.knobs = Gauge(f"{prefix}_control_knob", "The scheduler knobs in force", ["knob"], registry=r)

@@ -26,12 +26,15 @@ Each tick:
    a tier whole, then a share of the next (`shares`), each only if the variant's measured KL is within the
    tier's `max_kl`; the shares fall back to nothing in latency mode.
 5. **Shedding**, only after routing (a tier that may run on the cheaper variant runs there whole for at least
-   one tick before it is refused): a tier is refused (429, `Retry-After` the forecast time for its queue to
+   one tick before it is refused): a tier is shed (429, `Retry-After` the forecast time for its queue to
    drain) while the wait predicted for its next request (the queue of its own and higher tiers on the variants
    it runs on, over the capacity those leave) passes `margin` of its first-token target; it is admitted again
-   under half of it. Refusals are monotone: when a tier is shed every lower tier is too, and the top tier never
-   is. So a higher tier is never refused while a lower one is admitted (nor does the scheduler ever preempt one
-   for a lower one).
+   under half of it. Refusals are monotone: when a tier is shed every lower tier is refused whole, and the top
+   tier never is. So a higher tier is never refused while a lower one is admitted (nor does the scheduler ever
+   preempt one for a lower one). The shed tier itself loses only the share of its requests the capacity its
+   betters leave cannot take while its queue drains back to half its target within the target (`shed_share`):
+   all-or-nothing refusal of a tier whose arrivals are near what is left makes a limit cycle (refused, its
+   queue drains, admitted, its queue rebuilds), with the shed level flapping every few seconds.
 """
 
 from __future__ import annotations
@@ -102,18 +105,35 @@ class Decision:
     knobs: Knobs
     forecast: float  # requests/s expected over the horizon, all tiers
     capacity: float | None  # requests/s the variants finish while busy, all together
-    shed_from: int | None  # tiers of this rank and lower are refused
+    shed_from: int | None  # the tier of this rank is shed (`shed_share` of it), every lower one refused whole
     retry_after: float
     shares: dict[str, float]  # tier -> the share of its requests that runs on the cheaper variant
     accurate: str = ""  # the most accurate variant
     cheap: str | None = None  # the cheaper variant (None with one)
     changes: tuple[str, ...] = ()  # what this tick changed: mode, knobs, route, shed
+    shed_share: float = 1.0  # the share of tier `shed_from`'s requests refused
+
+    def refused(self, rank: int) -> float:
+        """The share of a tier's requests refused now: all below the shed tier, `shed_share` of it, none above."""
+        if self.shed_from is None or rank < self.shed_from:
+            return 0.0
+        return self.shed_share if rank == self.shed_from else 1.0
 
     def routes(self) -> dict[str, str]:
         """Tier -> the variant most of its requests run on."""
         return {
             t: self.cheap if self.cheap and share > 0.5 else self.accurate for t, share in self.shares.items()
         }
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """A tier's queue in one capacity group (see `Controller._backlogs`)."""
+
+    ahead: float  # requests queued there that are served before its next one
+    left: float  # requests/s the group has for it once the higher tiers' arrivals are served
+    part: float  # the share of the tier's requests that runs there
+    oldest: float  # seconds its oldest request there has waited
 
 
 @dataclass(frozen=True)
@@ -126,6 +146,7 @@ class ControlConfig:
     fall: float = 0.5
     dwell: float = 5.0
     margin: float = 0.8
+    goal: float = 0.4  # of a shed tier's first-token target: the wait its admitted share keeps its queue at
     shed: bool = True
     route: bool = True
     tpot_guard: bool = True
@@ -133,6 +154,7 @@ class ControlConfig:
     capacity_window: float = 20.0
     pooled: bool = True  # the variants share one machine's compute (one server): one capacity for them all
     persist: int = 2  # ticks the forecast must stay past `rise` before it alone switches the mode
+    step: float = 0.25  # of the top tier's first-token target: the longest an engine step may take
 
     @classmethod
     def around(
@@ -178,6 +200,12 @@ class Capacity:
                 self.served.pop(0)
 
     @property
+    def tokens_per_second(self) -> float | None:
+        """Tokens computed a second while busy (over the window), once two seconds of it are measured."""
+        seconds = sum(t for t, _ in self.ticks)
+        return sum(n for _, n in self.ticks) / seconds if seconds >= 2.0 else None
+
+    @property
     def level(self) -> float | None:
         seconds = sum(t for t, _ in self.ticks)
         requests = sum(n for n, _ in self.served)
@@ -209,6 +237,9 @@ class Controller:
         self.scale = 1.0  # of the throughput knobs, steered by the measured TPOT
         self._tuned_at = -1e9
         self._busy: dict[str, bool] = {}
+        self._stepping: dict[
+            str, int
+        ] = {}  # per capacity group: its engines with work, stepping side by side
         self.decision: Decision | None = None
 
     # ------------------------------------------------------------------ one tick
@@ -228,6 +259,7 @@ class Controller:
         shed_from, retry_after = self._shed(rates, shares, observation)
         shares, shed_from = self._route_before_shedding(shares, shed_from, mode)
         retry_after = retry_after if shed_from is not None else 0.0
+        shed_share = self._shed_share(shed_from, rates, shares, observation)
         knobs = self._knobs(mode, observation, shed_from)
         cheap = self._cheap
         decision = Decision(
@@ -240,6 +272,7 @@ class Controller:
             shares,
             self.variants[0].name,
             cheap.name if cheap is not None else None,
+            shed_share=shed_share,
         )
         decision = dataclasses.replace(decision, changes=self._changes(decision))
         self.decision = decision
@@ -276,6 +309,9 @@ class Controller:
             served = sum(load.served for load in loads)
             self.capacity[group].cost(served, sum(load.served_tokens for load in loads))
             self._busy[group] = busy
+            self._stepping[group] = max(
+                1, sum(1 for load in loads if load.running or sum(load.waiting.values()))
+            )
 
     # ------------------------------------------------------------------ mode
 
@@ -392,50 +428,81 @@ class Controller:
 
     # ------------------------------------------------------------------ shedding
 
+    def _backlogs(
+        self, tier: TierPolicy, rates: dict[str, float], shares: dict[str, float], observation: Observation
+    ) -> list[Backlog]:
+        """The tier's queue in each capacity group it runs in: the requests ahead of its next one (queued of its
+        own and higher tiers there), the capacity the higher tiers' forecast arrivals leave it (at least a
+        quarter of it: a noisy forecast near capacity must not predict hours), the share of its requests that
+        runs there, and how long its oldest request there has waited."""
+        names = [v.name for v in self.variants]
+
+        def part(of: TierPolicy, variant: str) -> float:
+            cheap = shares[of.name]
+            return (1.0 - cheap) if variant == names[0] else (cheap if variant == names[1] else 0.0)
+
+        backlogs = []
+        for group, variants in self.groups.items():
+            capacity = self._capacity_of(group)
+            mine = sum(part(tier, v) for v in variants)
+            if not capacity or mine <= 0:
+                continue
+            ahead = sum(
+                observation.loads.get(v, Load()).waiting.get(t.name, 0)
+                for v in variants
+                for t in self.tiers
+                if t.rank <= tier.rank and part(t, v) > 0
+            )
+            higher = sum(
+                rates[t.name] * part(t, v) for v in variants for t in self.tiers if t.rank < tier.rank
+            )
+            oldest = max(
+                (observation.loads.get(v, Load()).oldest.get(tier.name, 0.0) for v in variants), default=0.0
+            )
+            backlogs.append(Backlog(ahead, max(0.25 * capacity, capacity - higher), mine, oldest))
+        return backlogs
+
     def _waits(
         self, rates: dict[str, float], shares: dict[str, float], observation: Observation
     ) -> dict[int, float]:
         """Per tier rank, the seconds its next request is predicted to wait in the capacity groups it runs in
-        (the longest): the queue of its own and higher tiers there, over the capacity the higher tiers'
-        forecast arrivals leave (at least a quarter of it: a noisy forecast near capacity must not predict
-        hours), and never less than its oldest request has already waited."""
-        names = [v.name for v in self.variants]
-
-        def part(tier: TierPolicy, variant: str) -> float:
-            """The share of the tier's requests that runs on `variant`."""
-            cheap = shares[tier.name]
-            return (1.0 - cheap) if variant == names[0] else (cheap if variant == names[1] else 0.0)
-
+        (the longest): the requests ahead of it over the capacity left to it, and never less than its oldest
+        request has already waited."""
         waits: dict[int, float] = {}
         for tier in self.tiers:
-            worst: float | None = None
-            for group, variants in self.groups.items():
-                capacity = self._capacity_of(group)
-                if not capacity or sum(part(tier, v) for v in variants) <= 0:
-                    continue
-                ahead = sum(
-                    observation.loads.get(v, Load()).waiting.get(t.name, 0)
-                    for v in variants
-                    for t in self.tiers
-                    if t.rank <= tier.rank and part(t, v) > 0
-                )
-                higher = sum(
-                    rates[t.name] * part(t, v) for v in variants for t in self.tiers if t.rank < tier.rank
-                )
-                wait = ahead / max(0.25 * capacity, capacity - higher)
-                seen = max(
-                    (observation.loads.get(v, Load()).oldest.get(tier.name, 0.0) for v in variants),
-                    default=0.0,
-                )
-                wait = max(wait, seen)
-                worst = wait if worst is None else max(worst, wait)
-            if worst is not None:
-                waits[tier.rank] = worst
+            backlogs = self._backlogs(tier, rates, shares, observation)
+            if backlogs:
+                waits[tier.rank] = max(max(b.ahead / b.left, b.oldest) for b in backlogs)
         return waits
+
+    def _refused_share(
+        self, tier: TierPolicy, rates: dict[str, float], shares: dict[str, float], observation: Observation
+    ) -> float:
+        """The share of the tier's forecast arrivals that cannot be admitted: in each group it runs in, the room
+        is the capacity left to it less what drains the queue ahead of it down to `goal` of its first-token
+        target within that target."""
+        target, rate = self._ttft_target(tier), rates[tier.name]
+        if rate <= 0:
+            return 0.0
+        admitted = 1.0
+        for backlog in self._backlogs(tier, rates, shares, observation):
+            excess = max(0.0, backlog.ahead - self.config.goal * target * backlog.left)
+            room = max(0.0, backlog.left - excess / target)
+            admitted = min(admitted, room / (rate * backlog.part))
+        return min(1.0, max(0.0, 1.0 - admitted))
+
+    @staticmethod
+    def _ttft_target(tier: TierPolicy) -> float:
+        assert tier.slo.ttft is not None
+        return tier.slo.ttft
 
     def _shed(
         self, rates: dict[str, float], shares: dict[str, float], observation: Observation
     ) -> tuple[int | None, float]:
+        """The highest tier to shed, and the Retry-After of its refusals: a tier whose predicted wait passes
+        `margin` of its target; one shed last tick stays so while its wait is over half its target or its
+        arrivals are more than the capacity left to it (else it would be admitted whole, its queue would
+        rebuild, and it would be shed again a few ticks later)."""
         if not self.config.shed:
             return None, 0.0
         waits = self._waits(rates, shares, observation)
@@ -444,23 +511,39 @@ class Controller:
             target, wait = tier.slo.ttft, waits.get(tier.rank)
             if target is None or wait is None:
                 continue
+            if wait > self.config.margin * target:
+                shed_from = tier.rank
+                break
             already = self._shed_before is not None and tier.rank >= self._shed_before
-            if wait > self.config.margin * target or (already and wait > 0.5 * target):
+            if already and (wait > 0.5 * target or self._refused_share(tier, rates, shares, observation) > 0):
                 shed_from = tier.rank
                 break
         if shed_from is None:
             return None, 0.0
         tier = next(t for t in self.tiers if t.rank == shed_from)
-        drain = waits[shed_from] - 0.5 * (tier.slo.ttft or 0.0)
+        drain = waits[shed_from] - self.config.goal * self._ttft_target(tier)
         return shed_from, min(60.0, max(1.0, drain))
+
+    def _shed_share(
+        self,
+        shed_from: int | None,
+        rates: dict[str, float],
+        shares: dict[str, float],
+        observation: Observation,
+    ) -> float:
+        if shed_from is None:
+            return 1.0
+        tier = next(t for t in self.tiers if t.rank == shed_from)
+        return self._refused_share(tier, rates, shares, observation)
 
     # ------------------------------------------------------------------ knobs
 
     def _knobs(self, mode: str, observation: Observation, shed_from: int | None) -> Knobs:
         """The mode's preset; in throughput mode scaled (seats, token budget and prefill chunk together, never
-        under the latency preset): down by a quarter while some served tier's TPOT p95, or the top tier's TTFT
-        p95 (which jumps every queue, so only the length of a step delays it), is within 10% of its target; up
-        by a tenth while all are under 60%; at most every 2 s (the p95 needs that long to show it)."""
+        under the latency preset, the budget never over what one step may compute, `_step_tokens`): down by a
+        quarter while some served tier's TPOT p95, or the top tier's TTFT p95 (which jumps every queue, so only
+        the length of a step delays it), is within 10% of its target; up by a tenth while all are under 60%; at
+        most every 2 s (the p95 needs that long to show it)."""
         latency, preset = self.config.latency, self.config.throughput
         if mode == LATENCY:
             return latency
@@ -484,12 +567,30 @@ class Controller:
         def scaled(low: int, high: int) -> int:
             return max(low, round(high * self.scale))
 
+        budget = scaled(latency.max_num_batched_tokens, preset.max_num_batched_tokens)
+        budget = max(latency.max_num_batched_tokens, min(budget, self._step_tokens() or budget))
         return Knobs(
             scaled(latency.max_num_seqs, preset.max_num_seqs),
-            scaled(latency.max_num_batched_tokens, preset.max_num_batched_tokens),
-            scaled(latency.prefill_chunk, preset.prefill_chunk),
+            budget,
+            min(budget, scaled(latency.prefill_chunk, preset.prefill_chunk)),
             preset.admission_wait,
         )
+
+    def _step_tokens(self) -> int | None:
+        """The most tokens one engine step may compute: what an engine of the slowest capacity group computes, at
+        the group's measured rate shared by its engines with work, in `step` of the top tier's first-token
+        target. A top-tier request jumps every queue but still waits for the step in flight and then its own,
+        so on a slow machine a full throughput budget (a thousand prompt tokens a step can take seconds on two
+        cores) would break its promise by itself. None until a rate is measured, or without a target."""
+        target = self.tiers[0].slo.ttft
+        rates = [
+            rate / self._stepping.get(group, 1)
+            for group, c in self.capacity.items()
+            if (rate := c.tokens_per_second) is not None
+        ]
+        if target is None or not rates:
+            return None
+        return round(min(rates) * self.config.step * target)
 
     def _changes(self, decision: Decision) -> tuple[str, ...]:
         before = self.decision

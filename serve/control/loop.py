@@ -65,6 +65,7 @@ class ControlLoop:
         self._arrivals: dict[str, int] = {}
         self._totals: dict[str, tuple[int, int, int, int]] = {}  # per variant: its counts at the last tick
         self._credit: dict[str, float] = {}  # per tier: its share of the cheaper variant, accumulated
+        self._refusal_credit: dict[str, float] = {}  # per tier: its refused share, accumulated
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ the door (any thread)
@@ -74,9 +75,13 @@ class ControlLoop:
             self._arrivals[caller.tier] = self._arrivals.get(caller.tier, 0) + 1
 
     def refusal(self, caller: Caller) -> ApiError | None:
-        """The 429 for a request whose tier is shed now (counted), else None."""
+        """The 429 for a request whose tier is shed now (counted), else None. Of the shed tier only its share is
+        refused, spread evenly as `variant_for` spreads a route's share (a running credit per tier)."""
         decision = self.decision
-        if decision is None or decision.shed_from is None or caller.tier_rank < decision.shed_from:
+        if decision is None:
+            return None
+        share = decision.refused(caller.tier_rank)
+        if share <= 0.0 or not self._spend(self._refusal_credit, caller.tier, share):
             return None
         self.shed(caller)
         retry = max(1, round(decision.retry_after))
@@ -98,13 +103,20 @@ class ControlLoop:
         elif decision is None or decision.cheap is None:
             route = Route(self.variants[0])
         else:
-            with self._lock:
-                credit = self._credit.get(caller.tier, 0.0) + decision.shares.get(caller.tier, 0.0)
-                moved = credit >= 1.0 - 1e-9
-                self._credit[caller.tier] = credit - 1.0 if moved else credit
+            moved = self._spend(self._credit, caller.tier, decision.shares.get(caller.tier, 0.0))
             route = Route(decision.cheap if moved else decision.accurate)
         self.metrics.variant_requests.labels(route.variant, caller.tier).inc()
         return route
+
+    def _spend(self, credits: dict[str, float], tier: str, share: float) -> bool:
+        """Whether this request of `tier` is one of the `share` singled out: the tier's credit grows by the share
+        with each request and is spent whenever it reaches one, so a share of 0.3 picks 3 requests in 10,
+        evenly, and a share of 1 every one."""
+        with self._lock:
+            credit = credits.get(tier, 0.0) + share
+            picked = credit >= 1.0 - 1e-9
+            credits[tier] = credit - 1.0 if picked else credit
+        return picked
 
     def finished(self, caller: Caller, ttft: float | None, tpot: float | None) -> None:
         tier = self.tiers.get(caller.tier)
@@ -157,6 +169,7 @@ class ControlLoop:
         metrics.forecast.set(decision.forecast)
         metrics.capacity.set(decision.capacity or 0.0)
         metrics.shed_from.set(-1 if decision.shed_from is None else decision.shed_from)
+        metrics.shed_share.set(0.0 if decision.shed_from is None else decision.shed_share)
         knobs = decision.knobs
         for knob, value in (
             ("max_num_seqs", knobs.max_num_seqs),

@@ -47,15 +47,26 @@ class Sim:
     waits: dict[str, list[float]] = field(default_factory=dict)
     routed: dict[str, int] = field(default_factory=dict)
     credit: dict[str, float] = field(default_factory=dict)
+    refusals: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def _spend(credits: dict[str, float], tier: str, share: float) -> bool:
+        """As the server's door does: a share of a tier's requests picked evenly by a running credit."""
+        credit = credits.get(tier, 0.0) + share
+        picked = credit >= 1.0 - 1e-9
+        credits[tier] = credit - 1.0 if picked else credit
+        return picked
 
     def _route(self, decision: Decision | None, tier: str) -> str:
-        """As the server's door does: the cheaper variant for the tier's share, spread evenly."""
         if decision is None or decision.cheap is None:
             return next(iter(self.capacity))
-        credit = self.credit.get(tier, 0.0) + decision.shares[tier]
-        moved = credit >= 1.0 - 1e-9
-        self.credit[tier] = credit - 1.0 if moved else credit
-        return decision.cheap if moved else decision.accurate
+        return decision.cheap if self._spend(self.credit, tier, decision.shares[tier]) else decision.accurate
+
+    def _refused(self, decision: Decision | None, tier: str) -> bool:
+        if decision is None:
+            return False
+        share = decision.refused(next(t.rank for t in TIERS if t.name == tier))
+        return share > 0 and self._spend(self.refusals, tier, share)
 
     def run(self, controller: Controller, rates: list[float], seed: int = 0) -> list[Decision]:
         rng = random.Random(seed)
@@ -67,11 +78,10 @@ class Sim:
             arrivals = {t: poisson(rate * share * TICK, rng) for t, share in MIX.items()}
             finished = dict.fromkeys(self.capacity, 0)
             for tier, count in arrivals.items():
-                rank = next(t.rank for t in TIERS if t.name == tier)
-                if decision is not None and decision.shed_from is not None and rank >= decision.shed_from:
-                    self.shed[tier] = self.shed.get(tier, 0) + count
-                    continue
                 for _ in range(count):
+                    if self._refused(decision, tier):
+                        self.shed[tier] = self.shed.get(tier, 0) + 1
+                        continue
                     variant = self._route(decision, tier)
                     queue = self.queues.setdefault(variant, {})
                     queue[tier] = queue.get(tier, 0) + 1
@@ -147,6 +157,21 @@ def test_overload_sheds_lowest_tier_first_never_the_top_and_keeps_the_top_tiers_
     assert after[-1].shed_from is None and after[-1].mode == LATENCY  # back down once the surge is over
 
 
+def test_a_steady_overload_sheds_the_share_left_over_at_one_steady_level() -> None:
+    """At 2.5x capacity (10/s: priority 2.5, standard 15, free 7.5), standard can have the 7.5/s priority leaves:
+    the free tier is refused whole and half of standard, at one shed level throughout (refusing standard whole
+    until its queue drained, then admitting it whole, flapped between the two levels every few ticks)."""
+    sim = Sim({"int8": 10.0})
+    decisions = sim.run(controller(), [25.0] * 400)
+    steady = decisions[100:]
+    assert {d.shed_from for d in steady} == {1}
+    shares = [d.shed_share for d in steady]
+    assert 0.35 <= sum(shares) / len(shares) <= 0.65
+    assert all(d.refused(0) == 0.0 and d.refused(2) == 1.0 for d in steady)
+    standard_waits = sorted(sim.waits["standard"])
+    assert standard_waits[int(0.95 * len(standard_waits))] <= 0.6 * TIERS[1].slo.ttft  # type: ignore[operator]
+
+
 def test_sheds_nothing_when_the_load_fits() -> None:
     sim = Sim({"int8": 10.0})
     decisions = sim.run(controller(), [6.0] * 300)
@@ -215,6 +240,22 @@ def test_the_batch_cap_follows_the_measured_tpot() -> None:
     for at in range(7, 40, 2):
         floor = control.step(Observation(float(at), {"standard": 40}, loads, tpot_p95={"priority": 1.0}))
     assert floor.knobs == ControlConfig().latency  # never under the latency preset
+
+
+def test_a_step_never_takes_more_than_a_quarter_of_the_top_tiers_first_token_target() -> None:
+    """The simulated server computes 1,000 tokens/s at full load (10 requests/s of 100 tokens): with the top
+    tier's first token due within 2 s, a step may compute 500 tokens, not the 4,096 of the throughput preset
+    (a top-tier request waits for the step in flight, then for its own)."""
+    tiers = [TierPolicy("priority", 0, Slo(ttft=2.0)), *TIERS[1:]]
+    config = ControlConfig(throughput=Knobs(32, 4096, 1024), route=False)
+    decisions = Sim({"int8": 10.0}).run(Controller(config, tiers, [Variant("int8", 0.001)]), surge(4.0, 30.0))
+    busy = [d for d in decisions[int(90 / TICK) : int(130 / TICK)]]
+    assert all(d.mode == THROUGHPUT for d in busy)
+    assert all(400 <= d.knobs.max_num_batched_tokens <= 600 for d in busy), {
+        d.knobs.max_num_batched_tokens for d in busy
+    }
+    assert all(d.knobs.prefill_chunk <= d.knobs.max_num_batched_tokens for d in busy)
+    assert all(d.knobs.max_num_seqs == 32 for d in busy)
 
 
 def test_decisions_report_what_changed() -> None:
@@ -308,6 +349,30 @@ def test_the_door_spreads_a_share_evenly_and_pins_win(tmp_path) -> None:
     assert loop.variant_for(Caller(tier="priority", tier_rank=0)).variant == "int8"
     assert loop.variant_for(free, pinned="int8") == loop.variant_for(free, pinned="int8")
     assert loop.variant_for(free, pinned="int8").pinned
+
+
+def test_the_door_refuses_the_shed_share_of_the_shed_tier_every_lower_one_and_no_higher_one() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from serve.control.loop import ControlLoop
+    from serve.metrics import ControlMetrics
+    from serve.tenancy.tenants import BUILTIN_TIERS, Caller
+
+    registry = CollectorRegistry()
+    loop = ControlLoop(BUILTIN_TIERS, ["int8"], dict, lambda _d: None, ControlMetrics(registry, "t"))
+    shares = {"priority": 0.0, "standard": 0.0, "free": 0.0}
+    loop.decision = Decision(
+        THROUGHPUT, ControlConfig().throughput, 10.0, 5.0, 1, 3.4, shares, shed_share=0.4
+    )
+    priority, standard = Caller(tier="priority", tier_rank=0), Caller(tier="standard", tier_rank=1)
+    free = Caller(tier="free", tier_rank=2)
+    refused = [loop.refusal(standard) is not None for _ in range(10)]
+    assert sum(refused) == 4 and refused[:5].count(True) == 2  # spread evenly, not in a run
+    assert all(loop.refusal(free) is not None for _ in range(5))
+    assert all(loop.refusal(priority) is None for _ in range(5))
+    error = loop.refusal(free)
+    assert error is not None and error.status == 429 and error.headers == {"Retry-After": "3"}
+    assert registry.get_sample_value("t_slo_requests_total", {"tier": "standard", "outcome": "shed"}) == 4
 
 
 def test_the_loop_feeds_the_controller_what_it_measured_and_applies_what_changed() -> None:
