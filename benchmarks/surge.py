@@ -303,11 +303,12 @@ def _tokens_within(outcomes: list[dict[str, Any]], window: tuple[float, float]) 
 
 
 def controller_timing(
-    samples: list[dict[str, Any]], rise_at: float, steady: tuple[float, float]
+    samples: list[dict[str, Any]], rise_at: float, base: tuple[float, float], surge: tuple[float, float]
 ) -> dict[str, Any]:
     """When the controller last switched to throughput mode around the rise at `rise_at` (seconds after it;
-    negative: ahead of it), how many mode switches it made while the rate was steady, and how often the shed
-    level (the rank shed from) changed then."""
+    negative: ahead of it) and whether it was in throughput mode already when the rise began; how many mode
+    switches it made while the rate was steady (the base load and the surge's plateau), and how often the shed
+    level (the rank shed from) changed on the plateau."""
     modes = [
         (
             s["at"],
@@ -326,19 +327,25 @@ def controller_timing(
     ]  # its last latency-mode moment near the rise
     since = calm[-1] if calm else rise_at - 10
     acted = next((at - rise_at for at, m in modes if at >= since and m == 1.0), None)
-    held = [m for at, m in modes if steady[0] <= at < steady[1]]
-    switches = sum(a != b for a, b in itertools.pairwise(held))
+    at_rise = next((m for at, m in modes if at >= rise_at), None)
+
+    def switches(window: tuple[float, float]) -> int:
+        held = [m for at, m in modes if window[0] <= at < window[1]]
+        return sum(a != b for a, b in itertools.pairwise(held))
+
     levels = [
         v
         for s in samples
-        if steady[0] <= s["at"] < steady[1]
+        if surge[0] <= s["at"] < surge[1]
         for k, v in s["values"].items()
         if k.endswith("control_shed_from_rank")
     ]
     return {
         "acted_after_rise_s": acted,
-        "switches_while_steady": switches,
-        "shed_level_changes_while_steady": sum(a != b for a, b in itertools.pairwise(levels)),
+        "throughput_at_rise": at_rise == 1.0,
+        "switches_at_base": switches(base),
+        "switches_on_plateau": switches(surge),
+        "shed_level_changes_on_plateau": sum(a != b for a, b in itertools.pairwise(levels)),
     }
 
 
@@ -462,6 +469,11 @@ def _arguments() -> argparse.Namespace:
         "--tpot", default="", help="per-tier TPOT targets in s (default: from the loaded TPOT)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--measured",
+        help="a previous run's surge.json: reuse its capacity and latencies (the same trace and SLOs, to compare "
+        "two builds of the server) instead of measuring them",
+    )
     return parser.parse_args()
 
 
@@ -507,10 +519,13 @@ def main() -> None:
         for r in picked
     ]
     common = ["--kv-memory", "256MB", "--request-timeout", "60", "--max-queue", "256"]
-    print("measuring capacity ...", flush=True)
-    measured = capacity(
-        args.artifact, [*common, "--max-num-seqs", "32"], requests, args.capacity_seconds, out
-    )
+    if args.measured:
+        measured = json.loads(Path(args.measured).read_text())["measured"]
+    else:
+        print("measuring capacity ...", flush=True)
+        measured = capacity(
+            args.artifact, [*common, "--max-num-seqs", "32"], requests, args.capacity_seconds, out
+        )
     print(json.dumps(measured, indent=1), flush=True)
     ttft = (
         [float(x) for x in args.ttft.split(",")]
@@ -549,7 +564,10 @@ def main() -> None:
             (out / f"run-{name}.json").write_text(json.dumps(result))
             summary = summarize(result["outcomes"], slo, (phases[0], phases[2]), kl)
             summary["controller"] = controller_timing(
-                result["samples"], phases[0], (phases[1] + 20 * args.scale, phases[2])
+                result["samples"],
+                phases[0],
+                (10 * args.scale, phases[0]),
+                (phases[1] + 20 * args.scale, phases[2]),
             )
             report["runs"][name] = summary
             timeline(name, result, out, phases)

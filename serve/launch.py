@@ -49,6 +49,7 @@ def run_server(
         options.request_timeout,
         options.max_request_bytes,
         control=control_config(options),
+        metrics_key=options.metrics_key,
     )
     if options.role == "gateway":
         run_gateway(options, info, log)
@@ -78,6 +79,7 @@ def _run_single(options: ServeOptions, tenants: TenantsSource, log: Callable[[st
         options.max_request_bytes,
         variants.primary.engine.numerics(),
         control_config(options),
+        options.metrics_key,
     )
     app = create_app(variants, info)
     tenants.reload_on_sighup(log, app.state.tenant_metrics.reloaded)

@@ -82,6 +82,9 @@ class ServeOptions:
     """Require 'Authorization: Bearer KEY' (any listed key is accepted)."""
     api_key_file: Path | None = None
     """File of accepted API keys, one per line (# comments)."""
+    metrics_key: str | None = None
+    """Require 'Authorization: Bearer KEY' on /metrics, whose labels name tenants and tiers (unset: open to
+    whoever reaches the port; it binds 127.0.0.1 unless `host` says otherwise)."""
     tenants_file: Path | None = None
     """Tenants (TOML, or JSON): each one's API keys, service tier and limits (requests/tokens per minute, requests
     in flight, max_tokens); reloaded on SIGHUP. `api_keys` join it as the tenant `default`."""
@@ -170,6 +173,11 @@ class ServeOptions:
         problems.check(
             all(key.strip() == key and key for key in self.api_keys),
             "api_keys",
+            "must not be empty or padded",
+        )
+        problems.check(
+            self.metrics_key is None or (self.metrics_key.strip() == self.metrics_key != ""),
+            "metrics_key",
             "must not be empty or padded",
         )
         problems.check_choice(self.dtype, "dtype", MODEL_DTYPES)

@@ -49,6 +49,7 @@ SERVE = Options(
         "request_timeout",
         Option("api_keys", ("--api-key",), envvar="QPACK_API_KEY"),
         "api_key_file",
+        Option("metrics_key", ("--metrics-key",), envvar="QPACK_METRICS_KEY"),
         Option("tenants_file", ("--tenants",)),
         "max_request_bytes",
         "dtype",

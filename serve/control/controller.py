@@ -88,6 +88,7 @@ class Load:
     tokens: int = 0  # tokens computed since the last tick
     served: int = 0  # requests that ran and finished since the last tick
     served_tokens: int = 0  # their prompt and output tokens
+    engines: int = 1  # the engines whose counts these are (a fleet's workers of one build, summed)
 
 
 @dataclass(frozen=True)
@@ -310,7 +311,7 @@ class Controller:
             self.capacity[group].cost(served, sum(load.served_tokens for load in loads))
             self._busy[group] = busy
             self._stepping[group] = max(
-                1, sum(1 for load in loads if load.running or sum(load.waiting.values()))
+                1, sum(load.engines for load in loads if load.running or sum(load.waiting.values()))
             )
 
     # ------------------------------------------------------------------ mode

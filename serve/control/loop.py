@@ -11,6 +11,7 @@ baselines are measured by the same code.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -153,7 +154,10 @@ class ControlLoop:
             before = self._totals.get(variant, (0, 0, 0, 0))
             totals = (load.finished, load.tokens, load.served, load.served_tokens)
             grown = [max(0, a - b) for a, b in zip(totals, before, strict=True)]  # a worker gone: never < 0
-            loads[variant] = Load(load.waiting, load.running, grown[0], load.oldest, *grown[1:])
+            finished, tokens, served, served_tokens = grown
+            loads[variant] = dataclasses.replace(
+                load, finished=finished, tokens=tokens, served=served, served_tokens=served_tokens
+            )
             self._totals[variant] = totals
         decision = self.controller.step(Observation(now, arrivals, loads, tpot, ttft))
         if decision.changes:

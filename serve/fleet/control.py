@@ -84,7 +84,7 @@ class FleetControl:
         for worker in workers:
             if worker.model != model:
                 continue
-            load = loads.get(worker.build) or Load(dict(self.unaccepted.get(worker.build, {})))
+            load = loads.get(worker.build) or Load(dict(self.unaccepted.get(worker.build, {})), engines=0)
             waiting, oldest = dict(load.waiting), dict(load.oldest)
             for tier, count in worker.waiting.items():
                 waiting[tier] = waiting.get(tier, 0) + count
@@ -98,6 +98,7 @@ class FleetControl:
                 load.tokens + worker.tokens,
                 load.served + worker.served,
                 load.served_tokens + worker.served_tokens,
+                load.engines + 1,
             )
         return loads
 

@@ -6,6 +6,7 @@ role."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from quantize.common.errors import QpackError
@@ -21,7 +22,8 @@ from serve.fleet.gateway import Gateway, GatewayConfig, create_gateway_app
 from serve.fleet.worker import FleetWorker, WorkerConfig
 from serve.http import BackgroundServer, free_port, port_in_use, serve_app
 from serve.loading import reference_name, start_engine
-from serve.openai.routes import ServerInfo
+from serve.openai.errors import error_response
+from serve.openai.routes import ServerInfo, metrics_refusal
 from serve.options import ServeOptions
 
 
@@ -76,7 +78,7 @@ def run_worker(options: ServeOptions, log: Callable[[str], None]) -> None:
     )
     port = worker_port(options.host, options.port, log)
     log(f"qpack fleet worker {config.worker_id}: {loaded.name} v{loaded.version} (queue: {url}, port {port})")
-    with BackgroundServer(worker_app(worker), port=port, host=options.host):
+    with BackgroundServer(worker_app(worker, options.metrics_key), port=port, host=options.host):
         worker.run(stop)
 
 
@@ -90,8 +92,9 @@ def worker_port(host: str, port: int, log: Callable[[str], None]) -> int:
     return chosen
 
 
-def worker_app(worker: FleetWorker) -> FastAPI:
-    """A fleet worker's own HTTP face: `/health` and `/metrics` (the engine's, plus claims)."""
+def worker_app(worker: FleetWorker, metrics_key: str | None = None) -> FastAPI:
+    """A fleet worker's own HTTP face: `/health` and `/metrics` (the engine's, plus claims; only for the bearer
+    of `metrics_key` when there is one)."""
     engine = worker.engine
     app = FastAPI(title="qpack fleet worker")
     app.state.start_draining = lambda: None
@@ -102,7 +105,10 @@ def worker_app(worker: FleetWorker) -> FastAPI:
         return JSONResponse({"status": "ok", "worker": worker.config.worker_id, **load})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        refused = metrics_refusal(request.headers.get("authorization", "").encode(), metrics_key)
+        if refused is not None:
+            return error_response(refused)
         claims = f"# TYPE qpack_fleet_claims_total counter\nqpack_fleet_claims_total {worker.claimed}\n"
         return Response(engine.metrics.render() + claims.encode(), media_type="text/plain; version=0.0.4")
 
@@ -113,7 +119,8 @@ def worker_options(options: ServeOptions, index: int) -> ServeOptions:
     """The options of a `--role all` gateway's INDEX-th worker: the same engine limits, the targets in turn (with
     `variants`, under the name of the model they were built from), its own port after the gateway's, one thread
     unless --threads says otherwise, its /health and /metrics on loopback, and no API keys or tenants (a worker
-    serves no API and trusts the gateway's stamp; its options travel on a command line). The ports after the
+    serves no API and trusts the gateway's stamp; its options travel on a command line, so the metrics key
+    travels in its environment, `QPACK_METRICS_KEY`, out of `ps`). The ports after the
     gateway's may be held by a client connection's local end (loopback clients take ephemeral ports): a worker
     that finds its port taken serves /health and /metrics on a free one and says which."""
     targets = (options.target or "", *options.variants)
@@ -129,6 +136,7 @@ def worker_options(options: ServeOptions, index: int) -> ServeOptions:
         api_keys=(),
         api_key_file=None,
         tenants_file=None,
+        metrics_key=None,
     )
 
 
@@ -141,9 +149,11 @@ def run_all(options: ServeOptions, info: ServerInfo, log: Callable[[str], None])
         raise QpackError(
             f"`workers` {options.workers} cannot serve {len(targets)} variants; give one each at least"
         )
+    env = {**os.environ, **({"QPACK_METRICS_KEY": options.metrics_key} if options.metrics_key else {})}
     workers = [
         subprocess.Popen(
-            [sys.executable, "-m", "serve.fleet.worker_process", worker_options(options, index).to_json()]
+            [sys.executable, "-m", "serve.fleet.worker_process", worker_options(options, index).to_json()],
+            env=env,
         )
         for index in range(options.workers)
     ]

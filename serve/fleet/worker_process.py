@@ -8,6 +8,8 @@ Progress goes to stderr; bad options or an unreachable Redis are one line there 
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 
 from quantize.common.errors import QpackError
@@ -24,6 +26,8 @@ def main(argv: list[str]) -> int:
         if len(argv) != 1:
             raise QpackError("usage: python -m serve.fleet.worker_process OPTIONS_JSON")
         options = ServeOptions.from_json(argv[0])
+        if options.metrics_key is None and os.environ.get("QPACK_METRICS_KEY"):
+            options = dataclasses.replace(options, metrics_key=os.environ["QPACK_METRICS_KEY"])
         if options.role != "worker":
             raise QpackError(f"serve.fleet.worker_process runs --role worker (got --role {options.role})")
         options.validate()

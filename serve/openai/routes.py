@@ -25,6 +25,7 @@ server drains (SIGTERM), new requests get 503 and running ones finish.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -67,6 +68,7 @@ class ServerInfo:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     numerics: dict[str, Any] = field(default_factory=dict)  # how the model computes (`Engine.numerics`)
     control: ControlConfig | None = None  # the surge controller's settings (None: the static configuration)
+    metrics_key: str | None = None  # the bearer key /metrics asks for (None: open)
 
 
 class BodyTooLarge(ApiError):
@@ -79,7 +81,8 @@ class BodyTooLarge(ApiError):
 
 
 class Guard:
-    """ASGI middleware for /v1: the caller's tenant from its API key, draining, body size. Reads no body itself."""
+    """ASGI middleware for /v1: the caller's tenant from its API key, draining, body size. Reads no body itself.
+    And /metrics: its key, when the server has one."""
 
     def __init__(self, app: Any, info: ServerInfo, draining: Callable[[], bool]) -> None:
         self.app, self.info, self.draining = app, info, draining
@@ -90,6 +93,11 @@ class Guard:
         return self.info.tenants.current.authenticate(presented)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/metrics":
+            error = metrics_refusal(dict(scope["headers"]).get(b"authorization"), self.info.metrics_key)
+            if error is not None:
+                await _send_error(send, error)
+                return
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
@@ -117,6 +125,18 @@ class Guard:
             if int(length) > self.info.max_request_bytes:
                 return BodyTooLarge(self.info.max_request_bytes)
         return None
+
+
+def metrics_refusal(authorization: bytes | None, key: str | None) -> ApiError | None:
+    """The 401 for a /metrics request without the server's metrics key (None: it has none, or it matched);
+    compared in constant time."""
+    if key is None or hmac.compare_digest(authorization or b"", b"Bearer " + key.encode()):
+        return None
+    return ApiError(
+        401,
+        "/metrics needs the server's metrics key (--metrics-key) as 'Authorization: Bearer KEY'",
+        code="invalid_api_key",
+    )
 
 
 def _limited(receive: Receive, limit: int) -> Receive:

@@ -30,6 +30,34 @@ def server(tiny_llama: Path):
         yield url, engine
 
 
+def test_metrics_ask_for_their_key_when_the_server_has_one(tiny_llama: Path) -> None:
+    """/metrics labels name tenants and tiers: with `--metrics-key` only its bearer reads them; /health stays
+    open (load balancers probe it)."""
+    info = ServerInfo(name="tiny", version="3", metrics_key="scrape-secret")
+    with BackgroundServer(make_engine(tiny_llama), info) as url:
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        wrong = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer scrape-secreT"})
+        assert wrong.status_code == 401 and "--metrics-key" in wrong.json()["error"]["message"]
+        right = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer scrape-secret"})
+        assert right.status_code == 200 and "qpack_queue_depth" in right.text
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_fleet_workers_metrics_ask_for_the_key_too(tiny_llama: Path) -> None:
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from serve.fleet.run import worker_app
+
+    worker = SimpleNamespace(engine=make_engine(tiny_llama), claimed=0)
+    client = TestClient(worker_app(worker, "scrape-secret"))  # type: ignore[arg-type]
+    assert client.get("/metrics").status_code == 401
+    answer = client.get("/metrics", headers={"Authorization": "Bearer scrape-secret"})
+    assert answer.status_code == 200 and "qpack_fleet_claims_total 0" in answer.text
+    assert TestClient(worker_app(worker)).get("/metrics").status_code == 200  # type: ignore[arg-type]
+
+
 def sse_events(response: httpx.Response) -> list[dict]:
     events = []
     for line in response.iter_lines():

@@ -46,6 +46,7 @@ def test_a_gateways_workers_get_its_engine_options_on_their_own_ports_without_ke
         host="0.0.0.0",
         port=8000,
         api_keys=("secret",),
+        metrics_key="scrape-secret",
         kv_memory="1GB",
         prefill_dtype="bfloat16",
         isolate_users=True,
@@ -55,7 +56,7 @@ def test_a_gateways_workers_get_its_engine_options_on_their_own_ports_without_ke
     )
     second = worker_options(gateway, 1)
     assert (second.role, second.port, second.host, second.threads) == ("worker", 8002, "127.0.0.1", 1)
-    assert second.api_keys == () and "secret" not in second.to_json()
+    assert second.api_keys == () and "secret" not in second.to_json()  # the metrics key goes by environment
     assert (second.kv_memory, second.prefill_dtype, second.isolate_users) == ("1GB", "bfloat16", True)
     second.validate()
 
