@@ -5,9 +5,6 @@ abort requests from other threads), run the model without the lock, then commit 
 incrementally, apply stop conditions and hand each request its new text through its callback. An aborted or
 timed-out request frees its KV blocks immediately; if it was in the batch being computed, its result is
 dropped when the step commits. `run()` loops on a background thread until told to stop.
-
-Engines on one machine (the variants of one server) share `compute`, a lock held while the model runs: their
-steps alternate, each on all the cores, instead of two thread teams oversubscribing them side by side.
 """
 
 from __future__ import annotations
@@ -188,7 +185,6 @@ class Engine:
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
         self.stats = EngineStats()
         self._lock = threading.RLock()
-        self.compute = threading.Lock()  # held while the model runs; shared by the engines of one machine
         self._wake = threading.Condition(self._lock)
         self.paused = threading.Event()  # set: the loop stops stepping (maintenance; tests hold work queued)
         self.metrics.kv_blocks_total.set(num_blocks)
@@ -506,9 +502,8 @@ class Engine:
         self._deliver(outputs)
         if batch is None:
             return bool(outputs)
-        with self.compute:
-            started = time.perf_counter()
-            logits = self.runner.run(batch)
+        started = time.perf_counter()
+        logits = self.runner.run(batch)
         prefill_tokens = scheduled.num_tokens - batch.num_decode
         if self.tiers is not None and prefill_tokens >= 4 * self.config.block_size:
             self.tiers.prefill_per_token.add((time.perf_counter() - started) / scheduled.num_tokens)

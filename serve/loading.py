@@ -23,7 +23,7 @@ from quantize.common.sizes import parse_size
 from serve.engine import Engine, EngineConfig
 from serve.kv_cache import KV_DTYPES
 from serve.options import MODEL_DTYPES, ServeOptions
-from serve.variants import Served, Variants, take_turns
+from serve.variants import Served, Variants
 
 
 @dataclass
@@ -147,10 +147,8 @@ def reference_name(target: str) -> str:
 
 def start_variants(options: ServeOptions, log: Callable[[str], None]) -> Variants:
     """`target` and every one of `variants`, each with its own engine (and KV pool of `kv_memory`), served under
-    one name, their steps taking turns on the machine's cores. They must be builds of one model: their
-    manifests name the same source weights."""
+    one name. They must be builds of one model: their manifests name the same source weights."""
     loaded = [start_engine(options, log, target) for target in (options.target or "", *options.variants)]
-    take_turns([engine for _model, engine in loaded])
     if len(loaded) == 1:
         model, engine = loaded[0]
         return Variants.single(engine, options.model_name or model.name, model.version, model.content_hash)

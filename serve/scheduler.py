@@ -1,13 +1,14 @@
 """Iteration-level (continuous) batching over the paged KV pool.
 
 Every step the scheduler builds one batch under a token budget:
-1. Running requests first, highest tier first, oldest first within a tier: a decoding request needs one
-   token, a request still in prefill gets the next chunk of its prompt. Decodes are cheap and always go first,
-   so a long prompt arriving never stalls the streams already running; its prefill is spread over several
-   steps (chunked prefill).
-2. Waiting requests are admitted in order of tier (its tenant's, from the API key), then the request's own
-   `priority` within the tier (lower first), then arrival, while the budget and `max_num_seqs` allow, after
-   reusing any cached prefix blocks.
+1. Decodes first: every running request that needs one token, highest tier first, oldest first within a
+   tier. They are cheap, so a long prompt arriving never stalls the streams already running.
+2. Then prompt chunks, by tier: the running requests still in prefill get their next chunk (chunked prefill:
+   a long prompt is spread over several steps), and waiting requests are admitted in order of tier (its
+   tenant's, from the API key), then the request's own `priority` within the tier (lower first), then arrival,
+   while the budget and `max_num_seqs` allow, after reusing any cached prefix blocks; a waiting request of a
+   higher tier takes its chunk before a running one of a lower tier, so a top-tier prompt is never left for
+   the next step behind the chunks of lower tiers' prompts.
 When the pool cannot give a running request its next block, a running request of the *lowest* tier present is
 preempted, the newest of them: its blocks are freed and it goes back to the queue, to be recomputed later
 (cheaply, if its prefix blocks are still cached). A waiting request never preempts one of its own tier or a
@@ -197,57 +198,76 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
         self._seat_higher_tier(out)
-        for request in sorted(self.running, key=lambda r: r.tier_rank):
+        by_rank = sorted(self.running, key=lambda r: r.tier_rank)
+        for request in [r for r in by_rank if r.num_uncomputed <= 1]:
             if budget <= 0:
                 break
-            if request not in self.running:  # preempted earlier in this loop
-                continue
-            num_new = self._chunk(request, budget)
-            while not self._grow(request, request.num_computed + num_new):
-                victim = self._victim(scheduled_ids)
-                if victim is None:
-                    break
-                self.preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            if (
-                request not in self.running
-                or self._blocks_needed(request, request.num_computed + num_new) > 0
-            ):
-                continue
-            out.scheduled.append(Scheduled(request, request.num_computed, num_new))
-            scheduled_ids.add(id(request))
-            budget -= num_new
-        held = self._hold(time.monotonic() if now is None else now)
-        while not held and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            _key, request = self.waiting[0]
-            tokens = request.all_ids
-            cacheable = (len(tokens) - 1) // self.config.block_size
-            keys = request.keys(self.config.block_size)[:cacheable]
-            hits = self.pool.lookup(keys)
-            self.pool.share(hits)
-            loaded = (
-                self.fetch(request, keys[len(hits) :])
-                if self.fetch is not None and len(hits) < len(keys)
-                else []
+            budget -= self._continue(request, budget, out, scheduled_ids)
+        prefills = [r for r in by_rank if r.num_uncomputed > 1]
+        admitting = not self._hold(time.monotonic() if now is None else now)
+        while budget > 0:
+            prefills = [r for r in prefills if r in self.running and id(r) not in scheduled_ids]
+            head = (
+                self.waiting[0][1]
+                if admitting and self.waiting and len(self.running) < self.config.max_num_seqs
+                else None
             )
-            request.block_ids = [*hits, *loaded]
-            request.num_computed = len(request.block_ids) * self.config.block_size
-            request.num_registered = len(request.block_ids)
-            num_new = self._chunk(request, budget)
-            if not self._grow(request, request.num_computed + num_new):
-                self._release(request)
+            if head is not None and (not prefills or head.tier_rank < prefills[0].tier_rank):
+                used = self._admit(head, budget, out, scheduled_ids)
+                admitting = used is not None
+                budget -= used or 0
+            elif prefills:
+                budget -= self._continue(prefills.pop(0), budget, out, scheduled_ids)
+            else:
                 break
-            heapq.heappop(self.waiting)
-            if request.output_ids == [] and request.num_preemptions == 0:
-                request.cached_prompt_tokens = request.num_computed
-            request.status = Status.RUNNING
-            self.running.append(request)
-            out.scheduled.append(Scheduled(request, request.num_computed, num_new))
-            scheduled_ids.add(id(request))
-            budget -= num_new
         return out
+
+    def _continue(self, request: Request, budget: int, out: SchedulerOutput, scheduled_ids: set[int]) -> int:
+        """Schedule a running request's next token or prompt chunk (preempting the newest of the lowest tier, never
+        a higher one than its own, while the pool is short); the tokens it takes (0: none this step)."""
+        if request not in self.running:  # preempted earlier in this step
+            return 0
+        num_new = self._chunk(request, budget)
+        while not self._grow(request, request.num_computed + num_new):
+            victim = self._victim(scheduled_ids)
+            if victim is None or victim.tier_rank < request.tier_rank:
+                victim = request
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return 0
+        out.scheduled.append(Scheduled(request, request.num_computed, num_new))
+        scheduled_ids.add(id(request))
+        return num_new
+
+    def _admit(
+        self, request: Request, budget: int, out: SchedulerOutput, scheduled_ids: set[int]
+    ) -> int | None:
+        """Seat the waiting head, after reusing its cached (or fetched) prefix blocks, with its first chunk; the
+        tokens it takes, or None when the pool cannot hold that chunk (admission stops for this step)."""
+        tokens = request.all_ids
+        cacheable = (len(tokens) - 1) // self.config.block_size
+        keys = request.keys(self.config.block_size)[:cacheable]
+        hits = self.pool.lookup(keys)
+        self.pool.share(hits)
+        loaded = (
+            self.fetch(request, keys[len(hits) :]) if self.fetch is not None and len(hits) < len(keys) else []
+        )
+        request.block_ids = [*hits, *loaded]
+        request.num_computed = len(request.block_ids) * self.config.block_size
+        request.num_registered = len(request.block_ids)
+        num_new = self._chunk(request, budget)
+        if not self._grow(request, request.num_computed + num_new):
+            self._release(request)
+            return None
+        heapq.heappop(self.waiting)
+        if request.output_ids == [] and request.num_preemptions == 0:
+            request.cached_prompt_tokens = request.num_computed
+        request.status = Status.RUNNING
+        self.running.append(request)
+        out.scheduled.append(Scheduled(request, request.num_computed, num_new))
+        scheduled_ids.add(id(request))
+        return num_new
 
     def commit(self, out: SchedulerOutput) -> None:
         """After the model ran: advance progress and publish newly full blocks to the prefix cache."""

@@ -72,10 +72,3 @@ class Variants:
                 return None if len(self.served) == 1 else served.name
         names = ", ".join(dict.fromkeys([self.model, *self.names]))
         raise ApiError(404, f"model {model!r} is not served here; use {names}", "model", "model_not_found")
-
-
-def take_turns(engines: list[Engine]) -> None:
-    """Engines on one machine run their steps in turn, each on all its cores (one `compute` lock): side by side,
-    two teams of threads would oversubscribe the cores and slow both."""
-    for engine in engines[1:]:
-        engine.compute = engines[0].compute

@@ -16,9 +16,14 @@ Each tick:
    many seconds as hold ten arrivals at that rate, at least 2: a burst of a few requests at a low rate makes a
    trend, not a surge), or a queue builds past half of a tier's first-token target (its predicted wait, as
    for shedding): so before the queue when the forecast sees the rise coming. Back to latency (a small batch
-   and small prefill chunks, so tokens come fast) only once the arrivals of the last `dwell` seconds average
-   under `fall` of capacity and every tier's predicted wait has stayed under a quarter of its target for
-   `dwell` seconds in a row. In throughput mode the batch (seats, token budget and prefill chunk together)
+   and small prefill chunks, so tokens come fast) only once the arrivals of the last `calm_window` seconds
+   (20: over 5 s, a base load at 40% of capacity of a request or two a second crossed 50% often enough to
+   switch back and forth five times in a minute) average under `fall` of capacity and every tier's predicted
+   wait has stayed under a quarter of its target for `dwell` seconds in a row; a relapse (throughput mode again
+   within `relapse` seconds, or twice the dwell asked last) makes that dwell four times longer, up to
+   `max_dwell`, until a
+   latency spell outlasts it: where latency mode cannot carry the base load, it is left for good after a few
+   tries instead of every twenty seconds. In throughput mode the batch (seats, token budget and prefill chunk together)
    follows the measured TPOT and the top tier's TTFT: it shrinks while one nears its target and grows back
    when there is room.
 4. **Routing** (several variants of one model): the top tier always runs on the most accurate variant. When the
@@ -146,6 +151,11 @@ class ControlConfig:
     rise: float = 0.8
     fall: float = 0.5
     dwell: float = 5.0
+    calm_window: float = 20.0  # seconds of arrivals the way back to latency mode is judged by
+    relapse: float = (
+        30.0  # back in throughput mode this soon (or within twice the dwell): the dwell doubles...
+    )
+    max_dwell: float = 120.0  # ...up to this
     margin: float = 0.8
     goal: float = 0.4  # of a shed tier's first-token target: the wait its admitted share keeps its queue at
     shed: bool = True
@@ -235,6 +245,8 @@ class Controller:
         self._arrived: list[tuple[float, int]] = []
         self.mode, self.last = LATENCY, None  # type: str, float | None
         self.calm_since: float | None = None  # since when the load has been low enough for latency mode
+        self.hold = config.dwell  # seconds of calm before latency mode: longer after each relapse
+        self._left_at: float | None = None  # when throughput mode last ended
         self.scale = 1.0  # of the throughput knobs, steered by the measured TPOT
         self._tuned_at = -1e9
         self._busy: dict[str, bool] = {}
@@ -349,18 +361,23 @@ class Controller:
         self.calm_since = (self.calm_since if self.calm_since is not None else now) if calm else None
         if self.mode == LATENCY and (self._rising >= self.config.persist or building):
             self.mode = THROUGHPUT
-        elif self.mode == THROUGHPUT and calm and now - (self.calm_since or now) >= self.config.dwell:
+            relapsed = self._left_at is not None and now - self._left_at < max(
+                self.config.relapse, 2 * self.hold
+            )
+            self.hold = min(self.config.max_dwell, 4 * self.hold) if relapsed else self.config.dwell
+        elif self.mode == THROUGHPUT and calm and now - (self.calm_since or now) >= self.hold:
             self.mode = LATENCY
             self.scale = 1.0
+            self._left_at = now
         return self.mode
 
     def _recent_rate(self, observation: Observation, now: float) -> float:
-        """Arrivals a second over the last `dwell` seconds: what the way back to latency mode is judged by (the
-        forecast, a few arrivals a tick, is too noisy to stay under a threshold for long)."""
+        """Arrivals a second over the last `calm_window` seconds: what the way back to latency mode is judged by
+        (the forecast, a few arrivals a tick, is too noisy to stay under a threshold for long)."""
         self._arrived.append((now, sum(observation.arrivals.values())))
-        while self._arrived and self._arrived[0][0] <= now - max(self.config.dwell, 30.0):
+        while self._arrived and self._arrived[0][0] <= now - max(self.config.calm_window, 30.0):
             self._arrived.pop(0)
-        return self._rate_over(self.config.dwell, now)
+        return self._rate_over(self.config.calm_window, now)
 
     def _rate_over(self, seconds: float, now: float) -> float:
         """Arrivals a second counted over the last `seconds` (less at the start)."""

@@ -48,6 +48,7 @@ class Sim:
     routed: dict[str, int] = field(default_factory=dict)
     credit: dict[str, float] = field(default_factory=dict)
     refusals: dict[str, float] = field(default_factory=dict)
+    engines: int = 1  # per variant: the engines (a fleet's workers) its capacity is the sum of
 
     @staticmethod
     def _spend(credits: dict[str, float], tier: str, share: float) -> bool:
@@ -110,6 +111,7 @@ class Sim:
                     tokens=100 * finished[v],
                     served=finished[v],
                     served_tokens=100 * finished[v],
+                    engines=self.engines,
                 )
                 for v in self.capacity
             }
@@ -247,7 +249,7 @@ def test_a_step_never_takes_more_than_a_quarter_of_the_top_tiers_first_token_tar
     tier's first token due within 2 s, a step may compute 500 tokens, not the 4,096 of the throughput preset
     (a top-tier request waits for the step in flight, then for its own)."""
     tiers = [TierPolicy("priority", 0, Slo(ttft=2.0)), *TIERS[1:]]
-    config = ControlConfig(throughput=Knobs(32, 4096, 1024), route=False)
+    config = ControlConfig(latency=Knobs(8, 128, 64), throughput=Knobs(32, 4096, 1024), route=False)
     decisions = Sim({"int8": 10.0}).run(Controller(config, tiers, [Variant("int8", 0.001)]), surge(4.0, 30.0))
     busy = [d for d in decisions[int(90 / TICK) : int(130 / TICK)]]
     assert all(d.mode == THROUGHPUT for d in busy)
@@ -256,6 +258,11 @@ def test_a_step_never_takes_more_than_a_quarter_of_the_top_tiers_first_token_tar
     }
     assert all(d.knobs.prefill_chunk <= d.knobs.max_num_batched_tokens for d in busy)
     assert all(d.knobs.max_num_seqs == 32 for d in busy)
+    fleet = Sim({"int8": 10.0}, engines=2)  # two workers share the 1,000 tokens/s: a step may compute 250
+    decisions = fleet.run(Controller(config, tiers, [Variant("int8", 0.001)]), surge(4.0, 30.0))
+    assert all(
+        200 <= d.knobs.max_num_batched_tokens <= 300 for d in decisions[int(90 / TICK) : int(130 / TICK)]
+    )
 
 
 def test_decisions_report_what_changed() -> None:
@@ -319,6 +326,20 @@ def test_a_short_spike_is_absorbed_and_noise_does_not_flap_the_mode() -> None:
     noisy = [4.0 + 1.5 * math.sin(i * TICK * 1.3) for i in range(600)]  # a 5 s wobble on Poisson noise
     modes = [d.mode for d in Sim({"int8": 10.0}).run(controller(), noisy, seed=3)]
     assert sum(a != b for a, b in itertools.pairwise(modes)) <= 2
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_base_load_latency_mode_cannot_carry_stops_the_mode_switching_back_and_forth(seed: int) -> None:
+    """40% of a capacity of 1.6 requests/s: latency mode (60% as fast here) builds a queue, throughput mode
+    drains it, and with a fixed 5 s of calm asked for the mode flipped about 30 times in 5 minutes; each relapse
+    asks four times the calm before the next try."""
+    sim = Sim({"int8": 1.6})
+    decisions = sim.run(
+        Controller(ControlConfig(capacity=1.6), TIERS, [Variant("int8", 0.001)]), [0.65] * 600, seed
+    )
+    modes = [d.mode for d in decisions]
+    assert sum(a != b for a, b in itertools.pairwise(modes)) <= 6
+    assert len(set(modes[-240:])) == 1  # settled for the last two minutes
 
 
 def test_the_door_spreads_a_share_evenly_and_pins_win(tmp_path) -> None:

@@ -246,3 +246,25 @@ def test_a_full_queue_lets_the_newest_of_a_lower_tier_go_for_a_higher_one() -> N
         request("late-free", 3, tier="free")
     )  # only higher tiers wait now: the free one is refused
     assert [entry[1].request_id for entry in sorted(s.waiting)] == ["urgent", "standard"]
+
+
+def test_decodes_first_then_prompt_chunks_by_tier_waiting_or_running() -> None:
+    """A free prompt is half prefilled and a standard one decoding when a priority prompt arrives: the step is
+    the standard decode, then the priority prompt's chunk, and the free prompt gets what budget is left."""
+    s = make(max_num_batched_tokens=12, prefill_chunk=8)
+    free, standard = request("free", 24, tier="free"), request("standard", 3)
+    assert s.add(standard)
+    mock_step(s)  # standard's prompt in one step: it decodes from now on
+    assert s.add(free)
+    first = mock_step(s)
+    assert [(i.request.request_id, i.num_new) for i in first.scheduled] == [("standard", 1), ("free", 8)]
+    top = Request(
+        "priority", list(range(500, 520)), GREEDY, owner=Owner("t-p", "priority", 0)
+    )  # no shared prefix
+    assert s.add(top)
+    second = s.schedule()
+    assert [(i.request.request_id, i.start, i.num_new) for i in second.scheduled] == [
+        ("standard", 4, 1),
+        ("priority", 0, 8),
+        ("free", 8, 3),
+    ]

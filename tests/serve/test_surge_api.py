@@ -5,7 +5,6 @@ free tier onto the cheaper variant, and sheds it, while the priority tier stays 
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from pathlib import Path
 
@@ -21,9 +20,8 @@ from serve.engine import EngineConfig
 from serve.http import BackgroundServer
 from serve.loading import build_engine, load_for_serving
 from serve.openai import ServerInfo
-from serve.request import SamplingParams
 from serve.tenancy.tenants import TenantsSource
-from serve.variants import Served, Variants, take_turns
+from serve.variants import Served, Variants
 
 TENANTS = """\
 [[tiers]]
@@ -78,50 +76,7 @@ def variants(builds: dict[str, Path], **engine: object) -> Variants:
         served.append(
             Served(loaded.name, loaded.version, loaded.kl, loaded.content_hash, build_engine(loaded, config))
         )
-    take_turns([s.engine for s in served])
     return Variants("tiny", "1", served)
-
-
-def test_the_variants_of_one_server_take_turns_on_the_cores(builds: dict[str, Path]) -> None:
-    """Both engines busy at once, and never two steps computing at the same moment."""
-    held = variants(builds)
-    inside, overlaps, ran = [0], [0], {s.name: 0 for s in held}
-    guard = threading.Lock()
-    for served in held:
-        runner, original = served.engine.runner, served.engine.runner.run
-
-        def run(batch, original=original, name=served.name):  # type: ignore[no-untyped-def]
-            with guard:
-                inside[0] += 1
-                overlaps[0] += inside[0] > 1
-                ran[name] += 1
-            time.sleep(0.002)
-            try:
-                return original(batch)
-            finally:
-                with guard:
-                    inside[0] -= 1
-
-        runner.run = run  # type: ignore[method-assign]
-    stop = threading.Event()
-    loops = [threading.Thread(target=s.engine.run, args=(stop,), daemon=True) for s in held]
-    for loop in loops:
-        loop.start()
-    try:
-        done = [threading.Event() for _ in range(8)]
-        for index, event in enumerate(done):
-            held.served[index % 2].engine.add(
-                f"r{index}",
-                list(range(3, 40)),
-                SamplingParams(max_tokens=8, ignore_eos=True),
-                lambda out, event=event: event.set() if out.finished else None,  # type: ignore[misc]
-            )
-        assert all(event.wait(120) for event in done)
-    finally:
-        stop.set()
-        for loop in loops:
-            loop.join(timeout=30)
-    assert min(ran.values()) > 0 and overlaps[0] == 0
 
 
 def test_answers_name_their_variant_and_a_request_may_pin_one(
