@@ -187,6 +187,9 @@ class Engine:
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self.paused = threading.Event()  # set: the loop stops stepping (maintenance; tests hold work queued)
+        self.defer_to: Callable[[], bool] | None = (
+            None  # while True, no step starts here (`Variants.prioritize`)
+        )
         self.metrics.kv_blocks_total.set(num_blocks)
 
     @property
@@ -551,11 +554,25 @@ class Engine:
             if callback is not None:
                 callback(output)
 
+    def top_tier_pending(self) -> bool:
+        """Whether a request of the top tier (rank 0) is still waiting for its first token here."""
+        with self._lock:
+            pending = [r for _key, r in self.scheduler.waiting]
+            pending += [r for r in self.scheduler.running if r.first_token_time is None]
+            return any(r.owner.tier_rank == 0 for r in pending)
+
     def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+        deferred: float | None = None  # since when this loop has given way to `defer_to`
         while not stop.is_set():
             if self.paused.is_set():
                 time.sleep(idle_wait)
                 continue
+            if self.defer_to is not None and self.defer_to():
+                deferred = deferred if deferred is not None else time.monotonic()
+                if time.monotonic() - deferred < 1.0:  # never starved: at most a second at a time
+                    time.sleep(0.002)
+                    continue
+            deferred = None
             try:
                 progressed = self.step()
             except Exception as error:  # the loop must outlive one bad step: fail its requests, go on

@@ -5,6 +5,7 @@ free tier onto the cheaper variant, and sheds it, while the priority tier stays 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from serve.http import BackgroundServer
 from serve.loading import build_engine, load_for_serving
 from serve.openai import ServerInfo
 from serve.tenancy.tenants import TenantsSource
-from serve.variants import Served, Variants
+from serve.variants import Served, Variants, prioritize
 
 TENANTS = """\
 [[tiers]]
@@ -76,7 +77,39 @@ def variants(builds: dict[str, Path], **engine: object) -> Variants:
         served.append(
             Served(loaded.name, loaded.version, loaded.kl, loaded.content_hash, build_engine(loaded, config))
         )
-    return Variants("tiny", "1", served)
+    held = Variants("tiny", "1", served)
+    prioritize(held)
+    return held
+
+
+def test_the_cheaper_variant_gives_way_while_a_top_tier_prompt_waits_on_the_accurate_one(
+    builds: dict[str, Path],
+) -> None:
+    from serve.request import Owner, SamplingParams
+
+    held = variants(builds)
+    accurate, cheap = held.primary.engine, held["tiny-int4"].engine
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    done = {name: threading.Event() for name in ("top", "free")}
+
+    def finished(name: str):  # type: ignore[no-untyped-def]
+        return lambda output: done[name].set() if output.finished else None
+
+    accurate.add("top", list(range(3, 30)), params, finished("top"), owner=Owner("p", "priority", 0))
+    cheap.add("free", list(range(3, 30)), params, finished("free"), owner=Owner("f", "free", 2))
+    assert accurate.top_tier_pending() and not cheap.top_tier_pending()
+    stop = threading.Event()
+    loop = threading.Thread(target=cheap.run, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        time.sleep(0.5)
+        assert cheap.stats.steps == 0  # the accurate engine has not stepped: its top-tier prompt still waits
+        assert done["free"].wait(30)  # but never for more than a second at a time
+        accurate.step()
+        assert not accurate.top_tier_pending()
+    finally:
+        stop.set()
+        loop.join(timeout=30)
 
 
 def test_answers_name_their_variant_and_a_request_may_pin_one(
