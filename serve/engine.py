@@ -188,7 +188,7 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self.paused = threading.Event()  # set: the loop stops stepping (maintenance; tests hold work queued)
         self.defer_to: Callable[[], bool] | None = (
-            None  # while True, no step starts here (`Variants.prioritize`)
+            None  # while True, no step starts here (`variants.prioritize`)
         )
         self.metrics.kv_blocks_total.set(num_blocks)
 
@@ -554,12 +554,14 @@ class Engine:
             if callback is not None:
                 callback(output)
 
-    def top_tier_pending(self) -> bool:
-        """Whether a request of the top tier (rank 0) is still waiting for its first token here."""
+    def top_tier_pending(self, waited: float = 0.0) -> bool:
+        """Whether a request of the top tier (rank 0) has waited `waited` seconds or more here for its first
+        token."""
+        since = time.monotonic() - waited
         with self._lock:
             pending = [r for _key, r in self.scheduler.waiting]
             pending += [r for r in self.scheduler.running if r.first_token_time is None]
-            return any(r.owner.tier_rank == 0 for r in pending)
+            return any(r.owner.tier_rank == 0 and r.arrival_time <= since for r in pending)
 
     def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
         deferred: float | None = None  # since when this loop has given way to `defer_to`

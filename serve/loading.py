@@ -23,7 +23,7 @@ from quantize.common.sizes import parse_size
 from serve.engine import Engine, EngineConfig
 from serve.kv_cache import KV_DTYPES
 from serve.options import MODEL_DTYPES, ServeOptions
-from serve.variants import Served, Variants, prioritize
+from serve.variants import Served, Variants
 
 
 @dataclass
@@ -161,7 +161,6 @@ def start_variants(options: ServeOptions, log: Callable[[str], None]) -> Variant
         )
     served = [Served(m.name, m.version, m.kl, m.content_hash, engine) for m, engine in loaded]
     variants = Variants(options.model_name or first.reference_name, first.version, served)
-    prioritize(variants)
     log(
         "variants: "
         + ", ".join(f"{s.name} (KL {s.kl:.5f})" for s in variants)
