@@ -187,9 +187,7 @@ class Engine:
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self.paused = threading.Event()  # set: the loop stops stepping (maintenance; tests hold work queued)
-        self.defer_to: Callable[[], bool] | None = (
-            None  # while True, no step starts here (`variants.prioritize`)
-        )
+        self.defer_to: Callable[[], bool] | None = None  # while True no step starts here (`prioritize`)
         self.metrics.kv_blocks_total.set(num_blocks)
 
     @property

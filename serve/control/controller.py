@@ -17,15 +17,14 @@ Each tick:
    trend, not a surge), or a queue builds past half of a tier's first-token target (its predicted wait, as
    for shedding): so before the queue when the forecast sees the rise coming. Back to latency (a small batch
    and small prefill chunks, so tokens come fast) only once the arrivals of the last `calm_window` seconds
-   (20: over 5 s, a base load at 40% of capacity of a request or two a second crossed 50% often enough to
-   switch back and forth five times in a minute) average under `fall` of capacity and every tier's predicted
-   wait has stayed under a quarter of its target for `dwell` seconds in a row; a relapse (throughput mode again
-   within `relapse` seconds, or twice the dwell asked last) makes that dwell four times longer, up to
-   `max_dwell`, until a
-   latency spell outlasts it: where latency mode cannot carry the base load, it is left for good after a few
-   tries instead of every twenty seconds. In throughput mode the batch (seats, token budget and prefill chunk together)
-   follows the measured TPOT and the top tier's TTFT: it shrinks while one nears its target and grows back
-   when there is room.
+   average under `fall` of capacity and every tier's predicted wait has stayed under a quarter of its target
+   for `dwell` seconds in a row. A relapse (throughput mode again within `relapse` seconds, or twice the dwell
+   asked last) makes that dwell four times longer, up to `max_dwell`: where latency mode cannot carry the base
+   load (bursts of it press on a target), the mode settles after a few tries instead of flipping every twenty
+   seconds. In throughput mode the batch (seats, token budget and prefill chunk together) follows the
+   measured TPOT and the top tier's TTFT: it shrinks while one nears its target and grows back when there is
+   room; and a step never computes more tokens than an engine does, at its measured rate, in `step` of the top
+   tier's first-token target.
 4. **Routing** (several variants of one model): the top tier always runs on the most accurate variant. When the
    forecast load on it passes `rise` of its capacity, the excess moves to the cheaper variant, lowest tier first:
    a tier whole, then a share of the next (`shares`), each only if the variant's measured KL is within the
@@ -37,7 +36,7 @@ Each tick:
    under half of it. Refusals are monotone: when a tier is shed every lower tier is refused whole, and the top
    tier never is. So a higher tier is never refused while a lower one is admitted (nor does the scheduler ever
    preempt one for a lower one). The shed tier itself loses only the share of its requests the capacity its
-   betters leave cannot take while its queue drains back to half its target within the target (`shed_share`):
+   betters leave cannot take while its queue drains to `goal` of its target within the target (`shed_share`):
    all-or-nothing refusal of a tier whose arrivals are near what is left makes a limit cycle (refused, its
    queue drains, admitted, its queue rebuilds), with the shed level flapping every few seconds.
 """
@@ -152,9 +151,7 @@ class ControlConfig:
     fall: float = 0.5
     dwell: float = 5.0
     calm_window: float = 20.0  # seconds of arrivals the way back to latency mode is judged by
-    relapse: float = (
-        30.0  # back in throughput mode this soon (or within twice the dwell): the dwell doubles...
-    )
+    relapse: float = 30.0  # throughput mode again this soon after it ended: the dwell x4...
     max_dwell: float = 120.0  # ...up to this
     margin: float = 0.8
     goal: float = 0.4  # of a shed tier's first-token target: the wait its admitted share keeps its queue at
@@ -250,9 +247,7 @@ class Controller:
         self.scale = 1.0  # of the throughput knobs, steered by the measured TPOT
         self._tuned_at = -1e9
         self._busy: dict[str, bool] = {}
-        self._stepping: dict[
-            str, int
-        ] = {}  # per capacity group: its engines with work, stepping side by side
+        self._stepping: dict[str, int] = {}  # per capacity group: its engines with work
         self.decision: Decision | None = None
 
     # ------------------------------------------------------------------ one tick
