@@ -192,6 +192,7 @@ def watch(url: str, stop: threading.Event, samples: list[Sample], t0: float) -> 
         "qpack_fleet_control_forecast_rps",
         "qpack_fleet_control_shed_from_rank",
         "qpack_fleet_control_shed_share",
+        "qpack_fleet_control_capacity_rps",
         "qpack_fleet_queue_depth",
         "qpack_fleet_variant_requests_total",
     )

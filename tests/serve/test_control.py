@@ -446,3 +446,20 @@ def test_a_slow_steady_base_load_stays_in_latency_mode() -> None:
     modes = [d.mode for d in decisions]
     assert modes.count(LATENCY) >= 0.9 * len(modes)
     assert sum(a != b for a, b in itertools.pairwise(modes)) <= 6
+
+
+def test_the_operators_capacity_is_a_floor_for_what_is_learned() -> None:
+    """A base load keeps an engine busy at a fraction of its rate: what that measures must not pull the
+    capacity under the operator's figure (a shedding controller would then never load the engine enough to
+    learn better)."""
+    from serve.control.controller import Capacity
+
+    capacity = Capacity(window=20.0, hint=2.0)
+    for _ in range(8):
+        capacity.add(0.5, 50)  # 100 tokens/s
+        capacity.cost(1, 100)  # 100 tokens a request: 1 request/s measured
+    assert capacity.level == 2.0
+    for _ in range(40):
+        capacity.add(0.5, 150)  # 300 tokens/s: 3 requests/s, more than the hint
+    assert capacity.level == pytest.approx(3.0)
+    assert Capacity(window=20.0).level is None
