@@ -154,7 +154,8 @@ class ControlConfig:
     relapse: float = 30.0  # throughput mode again this soon after it ended: the dwell x4...
     max_dwell: float = 120.0  # ...up to this
     margin: float = 0.8
-    goal: float = 0.4  # of a shed tier's first-token target: the wait its admitted share keeps its queue at
+    goal: float = 0.25  # of a shed tier's first-token target: its queue's wait, less `probe` of it, when shed
+    probe: float = 0.25  # a shed tier is admitted up to this much past the capacity left (see `Capacity`)
     shed: bool = True
     route: bool = True
     tpot_guard: bool = True
@@ -194,7 +195,9 @@ class Capacity:
     fits, nothing ever shows it more. Measured on a two-worker fleet: learned at 0.7 requests/s in the base
     phase, the estimate never rose and the surge's standard tier was refused nine times in ten (goodput 0.79
     requests/s, against 1.63 with all-or-nothing refusals, which overload the workers and so measure them). The
-    operator's figure (`--control-capacity`, which `qpack bench serve` measures at full load) is the floor."""
+    operator's figure (`--control-capacity`, which `qpack bench serve` measures at full load) is the floor, and
+    a shed tier is admitted a `probe` past what the estimate leaves it: the queue that builds if the estimate
+    was right is drained by the shed share's queue term, and if it was low the busy ticks measure more."""
 
     window: float
     hint: float | None = None
@@ -507,7 +510,7 @@ class Controller:
         admitted = 1.0
         for backlog in self._backlogs(tier, rates, shares, observation):
             excess = max(0.0, backlog.ahead - self.config.goal * target * backlog.left)
-            room = max(0.0, backlog.left - excess / target)
+            room = max(0.0, (1.0 + self.config.probe) * backlog.left - excess / target)
             admitted = min(admitted, room / (rate * backlog.part))
         return min(1.0, max(0.0, 1.0 - admitted))
 

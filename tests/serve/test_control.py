@@ -171,7 +171,7 @@ def test_a_steady_overload_sheds_the_share_left_over_at_one_steady_level() -> No
     assert 0.35 <= sum(shares) / len(shares) <= 0.65
     assert all(d.refused(0) == 0.0 and d.refused(2) == 1.0 for d in steady)
     standard_waits = sorted(sim.waits["standard"])
-    assert standard_waits[int(0.95 * len(standard_waits))] <= 0.6 * TIERS[1].slo.ttft  # type: ignore[operator]
+    assert standard_waits[int(0.95 * len(standard_waits))] <= 0.8 * TIERS[1].slo.ttft  # type: ignore[operator]
 
 
 def test_sheds_nothing_when_the_load_fits() -> None:
