@@ -192,8 +192,8 @@ class Capacity:
     while its first completions come a whole request's duration later. Until both are measured: the hint; after,
     never under it. "Busy" (a request waiting, seated ones still in prefill included) does not mean saturated:
     a base load keeps an engine busy at a fraction of its rate, and once shedding admits what the estimate says
-    fits, nothing ever shows it more. Measured on a two-worker fleet: learned at 0.7 requests/s in the base
-    phase, the estimate never rose and the surge's standard tier was refused nine times in ten (goodput 0.79
+    fits, nothing ever shows it more. Measured on a two-worker fleet (its base phase taught 0.7 requests/s
+    against a full-load 1.6 to 2.3): the surge's standard tier was refused nine times in ten (goodput 0.79
     requests/s, against 1.63 with all-or-nothing refusals, which overload the workers and so measure them). The
     operator's figure (`--control-capacity`, which `qpack bench serve` measures at full load) is the floor, and
     a shed tier is admitted a `probe` past what the estimate leaves it: the queue that builds if the estimate
