@@ -351,9 +351,7 @@ class Engine:
         with self._lock:
             waiting: dict[str, int] = {}
             oldest: dict[str, float] = {}
-            pending = [r for _key, r in self.scheduler.waiting]
-            pending += [r for r in self.scheduler.running if r.first_token_time is None]
-            for request in pending:
+            for request in self._awaiting_first_token():
                 tier = request.owner.tier
                 waiting[tier] = waiting.get(tier, 0) + 1
                 oldest[tier] = max(oldest.get(tier, 0.0), now - request.arrival_time)
@@ -557,9 +555,14 @@ class Engine:
         token."""
         since = time.monotonic() - waited
         with self._lock:
-            pending = [r for _key, r in self.scheduler.waiting]
-            pending += [r for r in self.scheduler.running if r.first_token_time is None]
-            return any(r.owner.tier_rank == 0 and r.arrival_time <= since for r in pending)
+            return any(
+                r.owner.tier_rank == 0 and r.arrival_time <= since for r in self._awaiting_first_token()
+            )
+
+    def _awaiting_first_token(self) -> list[Request]:
+        """Queued requests and seated ones still in prefill (under the lock)."""
+        pending = [r for _key, r in self.scheduler.waiting]
+        return pending + [r for r in self.scheduler.running if r.first_token_time is None]
 
     def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
         deferred: float | None = None  # since when this loop has given way to `defer_to`

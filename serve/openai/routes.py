@@ -47,7 +47,7 @@ from serve.openai.errors import error_response, session_not_found
 from serve.openai.generation import Generation
 from serve.openai.protocol import ApiError, session_label
 from serve.options import DEFAULT_MAX_REQUEST_BYTES
-from serve.tenancy.tenants import Tenant, TenantsSource
+from serve.tenancy.tenants import Tenant, TenantsSource, key_digest
 from serve.variants import Variants
 
 _log = logging.getLogger("qpack.serve")
@@ -129,8 +129,10 @@ class Guard:
 
 def metrics_refusal(authorization: bytes | None, key: str | None) -> ApiError | None:
     """The 401 for a /metrics request without the server's metrics key (None: it has none, or it matched);
-    compared in constant time."""
-    if key is None or hmac.compare_digest(authorization or b"", b"Bearer " + key.encode()):
+    compared in constant time, as digests, like the API keys."""
+    if key is None or hmac.compare_digest(
+        key_digest(authorization or b""), key_digest(b"Bearer " + key.encode())
+    ):
         return None
     return ApiError(
         401,
