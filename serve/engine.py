@@ -339,6 +339,7 @@ class Engine:
                 max_num_batched_tokens=knobs.max_num_batched_tokens,
                 prefill_chunk=knobs.prefill_chunk,
                 admission_wait=knobs.admission_wait,
+                top_tier_tokens=knobs.top_tier_tokens,
             )
             self._wake.notify()
 

@@ -9,6 +9,9 @@ Every step the scheduler builds one batch under a token budget:
    while the budget and `max_num_seqs` allow, after reusing any cached prefix blocks; a waiting request of a
    higher tier takes its chunk before a running one of a lower tier, so a top-tier prompt is never left for
    the next step behind the chunks of lower tiers' prompts.
+3. Unless a top-tier prompt is to be prefilled and `top_tier_tokens` is set (a controller sets it when it caps
+   the steps so that a top-tier arrival never waits long for the step in flight): then the step is the top
+   tier's alone, under that larger budget, and its prompt goes in the fewest chunks it can.
 When the pool cannot give a running request its next block, a running request of the *lowest* tier present is
 preempted, the newest of them: its blocks are freed and it goes back to the queue, to be recomputed later
 (cheaply, if its prefix blocks are still cached). A waiting request never preempts one of its own tier or a
@@ -20,7 +23,8 @@ The waiting queue is bounded (`max_queue`); `add` returns False when it is full,
 429 with Retry-After, unless the newcomer outranks the lowest tier waiting: then the newest request of that tier
 leaves the queue instead (`shed`, answered 429 too), so a higher tier is never refused while a lower one waits.
 The knobs a controller turns between steps are all in `SchedulerConfig`: the batch cap, the step's token budget,
-the prompt tokens one request may prefill per step (`prefill_chunk`) and how long an arriving request may be
+the prompt tokens one request may prefill per step (`prefill_chunk`), the budget of a top-tier prefill step, and
+how long an arriving request may be
 held so that it is batched with later ones (`admission_wait`, the static batching-window rules). The scheduler never touches tensors: where a prefix misses the pool's cache, the engine's
 `fetch` callback may supply the next blocks of the chain from the lower tiers (already filled and registered),
 and `on_register` tells the engine about every block it registers, so it can write it through.
@@ -50,6 +54,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     prefill_chunk: int | None = None  # prompt tokens one request prefills per step (None: the budget)
     admission_wait: float = 0.0  # seconds a waiting head may be held for a fuller batch
+    top_tier_tokens: int = 0  # the budget of a step that prefills a top-tier prompt (0: no such steps)
 
 
 @dataclass
@@ -179,9 +184,10 @@ class Scheduler:
             self.preempt(victim)
             out.preempted.append(victim)
 
-    def _chunk(self, request: Request, budget: int) -> int:
-        """Tokens the request computes this step: one to decode, or the next chunk of its prompt."""
-        chunk = self.config.prefill_chunk or budget
+    def _chunk(self, request: Request, budget: int, whole: bool = False) -> int:
+        """Tokens the request computes this step: one to decode, or the next chunk of its prompt (as much as the
+        budget allows when `whole`)."""
+        chunk = budget if whole else self.config.prefill_chunk or budget
         return min(request.num_uncomputed, budget, max(1, chunk))
 
     def _hold(self, now: float) -> bool:
@@ -195,10 +201,11 @@ class Scheduler:
 
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
         self._seat_higher_tier(out)
-        by_rank = sorted(self.running, key=lambda r: r.tier_rank)
+        top = self._top_tier_step()
+        budget = self.config.top_tier_tokens if top else self.config.max_num_batched_tokens
+        by_rank = sorted((r for r in self.running if not top or r.tier_rank == 0), key=lambda r: r.tier_rank)
         for request in [r for r in by_rank if r.num_uncomputed <= 1]:
             if budget <= 0:
                 break
@@ -209,25 +216,48 @@ class Scheduler:
             prefills = [r for r in prefills if r in self.running and id(r) not in scheduled_ids]
             head = (
                 self.waiting[0][1]
-                if admitting and self.waiting and len(self.running) < self.config.max_num_seqs
+                if admitting
+                and self.waiting
+                and len(self.running) < self.config.max_num_seqs
+                and (not top or self.waiting[0][1].tier_rank == 0)
                 else None
             )
             if head is not None and (not prefills or head.tier_rank < prefills[0].tier_rank):
-                used = self._admit(head, budget, out, scheduled_ids)
+                used = self._admit(head, budget, out, scheduled_ids, whole=top)
                 admitting = used is not None
                 budget -= used or 0
             elif prefills:
-                budget -= self._continue(prefills.pop(0), budget, out, scheduled_ids)
+                budget -= self._continue(prefills.pop(0), budget, out, scheduled_ids, whole=top)
             else:
                 break
         return out
 
-    def _continue(self, request: Request, budget: int, out: SchedulerOutput, scheduled_ids: set[int]) -> int:
+    def _top_tier_step(self) -> bool:
+        """Whether this step prefills top-tier prompts only: with `top_tier_tokens` set and a top-tier prompt
+        seated in prefill, or waiting with a seat free for it. Such a step computes the top tier's tokens alone
+        (its decodes, then its prompts in chunks as large as that budget): the prompt of a request that jumps
+        every queue then takes the fewest steps it can, and no lower tier's token lengthens them. A lower tier's
+        stream waits one step (what it would have spent inside that step anyway)."""
+        if self.config.top_tier_tokens <= 0:
+            return False
+        if any(r.tier_rank == 0 and r.num_uncomputed > 1 for r in self.running):
+            return True
+        head = self.waiting[0][1] if self.waiting else None
+        return head is not None and head.tier_rank == 0 and len(self.running) < self.config.max_num_seqs
+
+    def _continue(
+        self,
+        request: Request,
+        budget: int,
+        out: SchedulerOutput,
+        scheduled_ids: set[int],
+        whole: bool = False,
+    ) -> int:
         """Schedule a running request's next token or prompt chunk (preempting the newest of the lowest tier, never
         a higher one than its own, while the pool is short); the tokens it takes (0: none this step)."""
         if request not in self.running:  # preempted earlier in this step
             return 0
-        num_new = self._chunk(request, budget)
+        num_new = self._chunk(request, budget, whole)
         while not self._grow(request, request.num_computed + num_new):
             victim = self._victim(scheduled_ids)
             if victim is None or victim.tier_rank < request.tier_rank:
@@ -241,7 +271,12 @@ class Scheduler:
         return num_new
 
     def _admit(
-        self, request: Request, budget: int, out: SchedulerOutput, scheduled_ids: set[int]
+        self,
+        request: Request,
+        budget: int,
+        out: SchedulerOutput,
+        scheduled_ids: set[int],
+        whole: bool = False,
     ) -> int | None:
         """Seat the waiting head, after reusing its cached (or fetched) prefix blocks, with its first chunk; the
         tokens it takes, or None when the pool cannot hold that chunk (admission stops for this step)."""
@@ -256,7 +291,7 @@ class Scheduler:
         request.block_ids = [*hits, *loaded]
         request.num_computed = len(request.block_ids) * self.config.block_size
         request.num_registered = len(request.block_ids)
-        num_new = self._chunk(request, budget)
+        num_new = self._chunk(request, budget, whole)
         if not self._grow(request, request.num_computed + num_new):
             self._release(request)
             return None

@@ -63,6 +63,7 @@ class Knobs:
     admission_wait: float = (
         0.0  # seconds a request may be held to batch it with later ones (static rules only)
     )
+    top_tier_tokens: int = 0  # the budget of a step that prefills top-tier prompts (0: none apart)
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ class ControlConfig:
     pooled: bool = True  # the variants share one machine's compute (one server): one capacity for them all
     persist: int = 2  # ticks the forecast must stay past `rise` before it alone switches the mode
     step: float = 0.25  # of the top tier's first-token target: the longest an engine step may take
+    min_chunk: int = 32  # prompt tokens a capped step still takes beside the decodes of every seat
 
     @classmethod
     def around(
@@ -563,40 +565,60 @@ class Controller:
 
     def _knobs(self, mode: str, observation: Observation, shed_from: int | None) -> Knobs:
         """The mode's preset; in throughput mode scaled (seats, token budget and prefill chunk together, never
-        under the latency preset, the budget never over what one step may compute, `_step_tokens`): down by a
-        quarter while some served tier's TPOT p95, or the top tier's TTFT p95 (which jumps every queue, so only
-        the length of a step delays it), is within 10% of its target; up by a tenth while all are under 60%; at
-        most every 2 s (the p95 needs that long to show it)."""
+        under the latency preset): down by a quarter while some served tier's TPOT p95, or the top tier's TTFT
+        p95, is within 10% of its target; up by a tenth while all are under 60%; at most every 2 s (the p95
+        needs that long to show it). In either mode the budget is then capped (`_capped`), and a step that
+        prefills a top-tier prompt may take the throughput preset's budget (`top_tier_tokens`): the cap keeps
+        the step in flight short for a top-tier arrival, and its own prompt then goes in one step, not several
+        (on two cores a step costs 25 ms and each token 4 ms: every extra step is time out of its target)."""
         latency, preset = self.config.latency, self.config.throughput
+        top = preset.max_num_batched_tokens if len(self.tiers) > 1 and self.tiers[0].slo.ttft else 0
         if mode == LATENCY:
-            return latency
+            return self._capped(latency, top)
         if self.config.tpot_guard and observation.now - self._tuned_at >= 2.0:
             self._tuned_at = observation.now
-            served = [t for t in self.tiers if shed_from is None or t.rank < shed_from]
-            ratios = [
-                observation.tpot_p95[t.name] / t.slo.tpot
-                for t in served
-                if t.slo.tpot and t.name in observation.tpot_p95
-            ]
-            top = self.tiers[0]
-            if top.slo.ttft and top.name in observation.ttft_p95:
-                ratios.append(observation.ttft_p95[top.name] / top.slo.ttft)
-            worst = max(ratios, default=None)
-            if worst is not None and worst > 0.9:
-                self.scale = max(0.0, self.scale * 0.75)
-            elif worst is None or worst < 0.6:
-                self.scale = min(1.0, self.scale + 0.1)
+            self.scale = self._rescaled(observation, shed_from)
 
         def scaled(low: int, high: int) -> int:
             return max(low, round(high * self.scale))
 
-        budget = scaled(latency.max_num_batched_tokens, preset.max_num_batched_tokens)
-        budget = max(latency.max_num_batched_tokens, min(budget, self._step_tokens() or budget))
-        return Knobs(
+        knobs = Knobs(
             scaled(latency.max_num_seqs, preset.max_num_seqs),
-            budget,
-            min(budget, scaled(latency.prefill_chunk, preset.prefill_chunk)),
+            scaled(latency.max_num_batched_tokens, preset.max_num_batched_tokens),
+            scaled(latency.prefill_chunk, preset.prefill_chunk),
             preset.admission_wait,
+        )
+        return self._capped(knobs, top)
+
+    def _rescaled(self, observation: Observation, shed_from: int | None) -> float:
+        served = [t for t in self.tiers if shed_from is None or t.rank < shed_from]
+        ratios = [
+            observation.tpot_p95[t.name] / t.slo.tpot
+            for t in served
+            if t.slo.tpot and t.name in observation.tpot_p95
+        ]
+        top = self.tiers[0]
+        if top.slo.ttft and top.name in observation.ttft_p95:
+            ratios.append(observation.ttft_p95[top.name] / top.slo.ttft)
+        worst = max(ratios, default=None)
+        if worst is not None and worst > 0.9:
+            return max(0.0, self.scale * 0.75)
+        if worst is None or worst < 0.6:
+            return min(1.0, self.scale + 0.1)
+        return self.scale
+
+    def _capped(self, knobs: Knobs, top_tier_tokens: int) -> Knobs:
+        """`knobs` with the step budget (and the prefill chunk within it) cut to `_step_tokens`, but never under
+        the decodes of every seat plus `min_chunk` prompt tokens."""
+        cap = self._step_tokens()
+        budget = knobs.max_num_batched_tokens
+        if cap is not None:
+            budget = min(budget, max(cap, knobs.max_num_seqs + self.config.min_chunk))
+        return dataclasses.replace(
+            knobs,
+            max_num_batched_tokens=budget,
+            prefill_chunk=min(budget, knobs.prefill_chunk),
+            top_tier_tokens=max(top_tier_tokens, budget) if top_tier_tokens else 0,
         )
 
     def _step_tokens(self) -> int | None:
@@ -609,7 +631,7 @@ class Controller:
         rates = [
             rate / self._stepping.get(group, 1)
             for group, c in self.capacity.items()
-            if (rate := c.tokens_per_second) is not None
+            if (rate := c.tokens_per_second)
         ]
         if target is None or not rates:
             return None

@@ -180,6 +180,7 @@ class ControlLoop:
             ("max_num_batched_tokens", knobs.max_num_batched_tokens),
             ("prefill_chunk", knobs.prefill_chunk),
             ("admission_wait", knobs.admission_wait),
+            ("top_tier_tokens", knobs.top_tier_tokens),
         ):
             metrics.knobs.labels(knob).set(value)
         for kind in decision.changes:

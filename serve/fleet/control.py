@@ -109,6 +109,7 @@ class FleetControl:
             "max_num_batched_tokens": knobs.max_num_batched_tokens,
             "prefill_chunk": knobs.prefill_chunk,
             "admission_wait": knobs.admission_wait,
+            "top_tier_tokens": knobs.top_tier_tokens,
             "mode": decision.mode,
             "version": f"{time.time():.3f}-{uuid.uuid4().hex[:6]}",
         }

@@ -192,6 +192,7 @@ class FleetWorker:
                 int(data["max_num_batched_tokens"]),
                 int(data["prefill_chunk"]),
                 float(data.get("admission_wait", 0.0)),
+                int(data.get("top_tier_tokens", 0)),
             )
         except (KeyError, ValueError) as exc:
             _log.warning("fleet worker: ignoring malformed knobs %s (%s)", data, exc)

@@ -4,6 +4,7 @@ arrivals. Decisions, hysteresis, shed order, routing before shedding, the SLO le
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -234,14 +235,14 @@ def test_the_batch_cap_follows_the_measured_tpot() -> None:
     control.step(Observation(0.0, {"standard": 40}, loads))
     slow = control.step(Observation(2.5, {"standard": 40}, loads, tpot_p95={"priority": 0.25}))
     assert slow.mode == THROUGHPUT  # 0.25 s > 90% of priority's 0.2 s: the whole batch scales by 3/4
-    assert slow.knobs == Knobs(24, 768, 384)
+    assert slow.knobs == Knobs(24, 768, 384, top_tier_tokens=1024)  # a top-tier prompt: the preset budget
     held = control.step(Observation(3.0, {"standard": 40}, loads, tpot_p95={"priority": 0.25}))
     assert held.knobs.max_num_seqs == 24  # at most every 2 s
     fast = control.step(Observation(5.0, {"standard": 40}, loads, tpot_p95={"priority": 0.05}))
-    assert fast.knobs == Knobs(27, 870, 435)  # room: back up by a tenth of the preset
+    assert fast.knobs == Knobs(27, 870, 435, top_tier_tokens=1024)  # room: back up by a tenth of the preset
     for at in range(7, 40, 2):
         floor = control.step(Observation(float(at), {"standard": 40}, loads, tpot_p95={"priority": 1.0}))
-    assert floor.knobs == ControlConfig().latency  # never under the latency preset
+    assert floor.knobs == dataclasses.replace(ControlConfig().latency, top_tier_tokens=1024)  # never under it
 
 
 def test_a_step_never_takes_more_than_a_quarter_of_the_top_tiers_first_token_target() -> None:
@@ -263,6 +264,32 @@ def test_a_step_never_takes_more_than_a_quarter_of_the_top_tiers_first_token_tar
     assert all(
         200 <= d.knobs.max_num_batched_tokens <= 300 for d in decisions[int(90 / TICK) : int(130 / TICK)]
     )
+
+
+def test_on_a_slow_machine_the_cap_cuts_under_the_latency_preset_and_a_top_tier_prompt_gets_the_preset() -> (
+    None
+):
+    """A machine of 100 tokens/s: a quarter of a 2 s target is 50 tokens, under the latency preset's 128. The
+    budget follows it in both modes, but never drops under the decodes of every seat plus `min_chunk` prompt
+    tokens (64 with 32 seats); a step that prefills a top-tier prompt may take the throughput preset's 4,096
+    tokens (a single tier has no such steps)."""
+    tiers = [TierPolicy("priority", 0, Slo(ttft=2.0)), *TIERS[1:]]
+    config = ControlConfig(latency=Knobs(8, 128, 64), throughput=Knobs(32, 4096, 1024), route=False)
+    decisions = Sim({"int8": 1.0}).run(Controller(config, tiers, [Variant("int8", 0.001)]), surge(0.4, 4.0))
+    plateau = decisions[int(90 / TICK) : int(130 / TICK)]
+    assert all(d.mode == THROUGHPUT and d.knobs.max_num_seqs == 32 for d in plateau)
+    assert {d.knobs.max_num_batched_tokens for d in plateau} == {64}
+    assert all(d.knobs.prefill_chunk <= 64 and d.knobs.top_tier_tokens == 4096 for d in plateau)
+    calm = [d for d in decisions[int(130 / TICK) :] if d.mode == LATENCY]
+    assert calm and all(
+        40 <= d.knobs.max_num_batched_tokens <= 55 for d in calm
+    )  # measured about 100 tokens/s
+    assert all(
+        d.knobs == Knobs(8, d.knobs.max_num_batched_tokens, d.knobs.max_num_batched_tokens, 0.0, 4096)
+        for d in calm
+    )
+    alone = Controller(config, tiers[:1], [Variant("int8", 0.001)])
+    assert alone.step(Observation(0.0, {}, {"int8": Load()})).knobs.top_tier_tokens == 0
 
 
 def test_decisions_report_what_changed() -> None:
