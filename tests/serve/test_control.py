@@ -266,28 +266,20 @@ def test_a_step_never_takes_more_than_a_quarter_of_the_top_tiers_first_token_tar
     )
 
 
-def test_on_a_slow_machine_the_cap_cuts_under_the_latency_preset_and_a_top_tier_prompt_gets_the_preset() -> (
+def test_a_step_that_prefills_a_top_tier_prompt_may_take_the_throughput_preset_however_slow_the_machine() -> (
     None
 ):
-    """A machine of 100 tokens/s: a quarter of a 2 s target is 50 tokens, under the latency preset's 128. The
-    budget follows it in both modes, but never drops under the decodes of every seat plus `min_chunk` prompt
-    tokens (64 with 32 seats); a step that prefills a top-tier prompt may take the throughput preset's 4,096
-    tokens (a single tier has no such steps)."""
+    """A machine of 100 tokens/s: a quarter of a 2 s target is 50 tokens, under the latency preset's 128, which
+    is the floor in both modes; a step that prefills a top-tier prompt may take the throughput preset's 4,096
+    tokens in both (a single tier has no such steps)."""
     tiers = [TierPolicy("priority", 0, Slo(ttft=2.0)), *TIERS[1:]]
     config = ControlConfig(latency=Knobs(8, 128, 64), throughput=Knobs(32, 4096, 1024), route=False)
     decisions = Sim({"int8": 1.0}).run(Controller(config, tiers, [Variant("int8", 0.001)]), surge(0.4, 4.0))
     plateau = decisions[int(90 / TICK) : int(130 / TICK)]
-    assert all(d.mode == THROUGHPUT and d.knobs.max_num_seqs == 32 for d in plateau)
-    assert {d.knobs.max_num_batched_tokens for d in plateau} == {64}
-    assert all(d.knobs.prefill_chunk <= 64 and d.knobs.top_tier_tokens == 4096 for d in plateau)
+    assert all(d.mode == THROUGHPUT for d in plateau)
+    assert {(d.knobs.max_num_batched_tokens, d.knobs.top_tier_tokens) for d in plateau} == {(128, 4096)}
     calm = [d for d in decisions[int(130 / TICK) :] if d.mode == LATENCY]
-    assert calm and all(
-        40 <= d.knobs.max_num_batched_tokens <= 55 for d in calm
-    )  # measured about 100 tokens/s
-    assert all(
-        d.knobs == Knobs(8, d.knobs.max_num_batched_tokens, d.knobs.max_num_batched_tokens, 0.0, 4096)
-        for d in calm
-    )
+    assert calm and {d.knobs for d in calm} == {Knobs(8, 128, 64, top_tier_tokens=4096)}
     alone = Controller(config, tiers[:1], [Variant("int8", 0.001)])
     assert alone.step(Observation(0.0, {}, {"int8": Load()})).knobs.top_tier_tokens == 0
 
