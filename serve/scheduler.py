@@ -9,9 +9,9 @@ Every step the scheduler builds one batch under a token budget:
    while the budget and `max_num_seqs` allow, after reusing any cached prefix blocks; a waiting request of a
    higher tier takes its chunk before a running one of a lower tier, so a top-tier prompt is never left for
    the next step behind the chunks of lower tiers' prompts.
-3. Unless a top-tier prompt is to be prefilled and `top_tier_tokens` is set (a controller sets it when it caps
-   the steps so that a top-tier arrival never waits long for the step in flight): then the step is the top
-   tier's alone, under that larger budget, and its prompt goes in the fewest chunks it can.
+3. A top-tier prompt may take the step past the budget, up to `top_tier_tokens` (a controller sets it when it
+   caps the steps so that a top-tier arrival never waits long for the step in flight): it then goes in the
+   fewest steps it can, and lower tiers' chunks get what the usual budget leaves after it.
 When the pool cannot give a running request its next block, a running request of the *lowest* tier present is
 preempted, the newest of them: its blocks are freed and it goes back to the queue, to be recomputed later
 (cheaply, if its prefix blocks are still cached). A waiting request never preempts one of its own tier or a
@@ -203,47 +203,38 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled_ids: set[int] = set()
         self._seat_higher_tier(out)
-        top = self._top_tier_step()
-        budget = self.config.top_tier_tokens if top else self.config.max_num_batched_tokens
-        by_rank = sorted((r for r in self.running if not top or r.tier_rank == 0), key=lambda r: r.tier_rank)
+        budget = self.config.max_num_batched_tokens
+        top = max(budget, self.config.top_tier_tokens)  # what top-tier prompt chunks may bring the step to
+        by_rank = sorted(self.running, key=lambda r: r.tier_rank)
         for request in [r for r in by_rank if r.num_uncomputed <= 1]:
             if budget <= 0:
                 break
-            budget -= self._continue(request, budget, out, scheduled_ids)
+            used = self._continue(request, budget, out, scheduled_ids)
+            budget, top = budget - used, top - used
         prefills = [r for r in by_rank if r.num_uncomputed > 1]
         admitting = not self._hold(time.monotonic() if now is None else now)
-        while budget > 0:
+        while True:
             prefills = [r for r in prefills if r in self.running and id(r) not in scheduled_ids]
             head = (
                 self.waiting[0][1]
-                if admitting
-                and self.waiting
-                and len(self.running) < self.config.max_num_seqs
-                and (not top or self.waiting[0][1].tier_rank == 0)
+                if admitting and self.waiting and len(self.running) < self.config.max_num_seqs
                 else None
             )
-            if head is not None and (not prefills or head.tier_rank < prefills[0].tier_rank):
-                used = self._admit(head, budget, out, scheduled_ids, whole=top)
-                admitting = used is not None
-                budget -= used or 0
-            elif prefills:
-                budget -= self._continue(prefills.pop(0), budget, out, scheduled_ids, whole=top)
-            else:
+            admit = head is not None and (not prefills or head.tier_rank < prefills[0].tier_rank)
+            upcoming = head if admit else (prefills[0] if prefills else None)
+            if upcoming is None:
                 break
+            whole = upcoming.tier_rank == 0 and self.config.top_tier_tokens > 0
+            room = top if whole else budget
+            if room <= 0:
+                break
+            if admit:
+                used = self._admit(upcoming, room, out, scheduled_ids, whole=whole)
+                admitting = used is not None
+            else:
+                used = self._continue(prefills.pop(0), room, out, scheduled_ids, whole=whole)
+            budget, top = budget - (used or 0), top - (used or 0)
         return out
-
-    def _top_tier_step(self) -> bool:
-        """Whether this step prefills top-tier prompts only: with `top_tier_tokens` set and a top-tier prompt
-        seated in prefill, or waiting with a seat free for it. Such a step computes the top tier's tokens alone
-        (its decodes, then its prompts in chunks as large as that budget): the prompt of a request that jumps
-        every queue then takes the fewest steps it can, and no lower tier's token lengthens them. A lower tier's
-        stream waits one step (what it would have spent inside that step anyway)."""
-        if self.config.top_tier_tokens <= 0:
-            return False
-        if any(r.tier_rank == 0 and r.num_uncomputed > 1 for r in self.running):
-            return True
-        head = self.waiting[0][1] if self.waiting else None
-        return head is not None and head.tier_rank == 0 and len(self.running) < self.config.max_num_seqs
 
     def _continue(
         self,

@@ -270,23 +270,21 @@ def test_decodes_first_then_prompt_chunks_by_tier_waiting_or_running() -> None:
     ]
 
 
-def test_a_top_tier_prompt_gets_a_step_of_its_own_under_the_top_tier_budget() -> None:
-    """The same scene with `top_tier_tokens` set: the priority prompt's 20 tokens go in one step of its own (not
-    chunks of 8 beside the others), the standard decode and the free prompt wait that step and then go on as
-    before."""
-    s = make(max_num_batched_tokens=12, prefill_chunk=8, top_tier_tokens=24)
-    free, standard = request("free", 24, tier="free"), request("standard", 3)
-    assert s.add(standard)
-    mock_step(s)
-    assert s.add(free)
-    mock_step(s)
-    top = Request("priority", list(range(500, 520)), GREEDY, owner=Owner("t-p", "priority", 0))
-    assert s.add(top)
-    alone = mock_step(s)
-    assert [(i.request.request_id, i.start, i.num_new) for i in alone.scheduled] == [("priority", 0, 20)]
-    after = mock_step(s)
-    assert [(i.request.request_id, i.start, i.num_new) for i in after.scheduled] == [
-        ("priority", 20, 1),
-        ("standard", 4, 1),
-        ("free", 8, 8),
-    ]
+def test_a_top_tier_prompt_goes_past_the_budget_up_to_the_top_tier_tokens() -> None:
+    """The same scene with `top_tier_tokens` set: the priority prompt's 20 tokens go in one step beside the
+    standard decode (not chunks of 8), and the free prompt gets what the budget of 12 leaves: nothing. A short
+    priority prompt leaves the free one the rest of the budget."""
+    for length, expected in (
+        (20, [("standard", 4, 1), ("priority", 0, 20)]),
+        (5, [("standard", 4, 1), ("priority", 0, 5), ("free", 8, 6)]),
+    ):
+        s = make(max_num_batched_tokens=12, prefill_chunk=8, top_tier_tokens=24)
+        free, standard = request("free", 24, tier="free"), request("standard", 3)
+        assert s.add(standard)
+        mock_step(s)
+        assert s.add(free)
+        mock_step(s)
+        top = Request("priority", list(range(500, 500 + length)), GREEDY, owner=Owner("t-p", "priority", 0))
+        assert s.add(top)
+        step = mock_step(s)
+        assert [(i.request.request_id, i.start, i.num_new) for i in step.scheduled] == expected
