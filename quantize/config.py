@@ -17,6 +17,7 @@ from typing import Any
 
 from quantize.algorithms import Algorithm, Auto
 from quantize.common.config import Problems, fields_json, json_value
+from quantize.distill.settings import Distill
 from quantize.formats.schemes import FP32, Int4, Scheme
 from quantize.io.exports import CompressedTensors
 from quantize.planning.plan import Plan, PlanRules
@@ -57,6 +58,8 @@ class QuantizeConfig:
     """Calibration tokens for GPTQ/AWQ/SmoothQuant."""
     eval_tokens: int = 2048
     """Held-out tokens the artifact is measured on against FP32 (KL, top-1, perplexity)."""
+    distill: Distill | None = None
+    """After quantizing: train the int4/int8 scales against the FP32 model's next-token distributions."""
     export: CompressedTensors | None = None
     """Also write the artifact in another format: compressed-tensors (for transformers and vLLM)."""
     overwrite: bool = False
@@ -75,6 +78,8 @@ class QuantizeConfig:
         self._check_candidates(problems)
         self.algorithm.check(problems, "algorithm.")
         self.sensitivity.check(problems, "sensitivity.")
+        if self.distill is not None:
+            self.distill.check(problems, "distill.")
         problems.check(
             self.max_shard_size is None or self.max_shard_size >= 2**14,
             "max_shard_size",

@@ -22,6 +22,7 @@ from quantize.common.errors import QpackError
 from quantize.common.fileio import check_output_dir
 from quantize.common.progress import NULL_PROGRESS, Progress
 from quantize.config import HeldoutQuality, QuantizeConfig, QuantizeResult
+from quantize.distill.run import Distilled
 from quantize.io.artifact import (
     DEFAULT_SHARD_BYTES,
     ArtifactWriter,
@@ -92,15 +93,26 @@ def _quantize_and_measure(
     writer: ArtifactWriter,
     progress: Progress,
     timings: dict[str, float],
-) -> tuple[dict[str, dict[str, Any]], HeldoutQuality]:
+) -> tuple[dict[str, dict[str, Any]], HeldoutQuality, Distilled | None]:
     """One pass over the blocks: quantize and write each, carrying held-out tokens through the FP32 and the
-    quantized block; then KL, top-1 and perplexities of the two."""
+    quantized block; then KL, top-1 and perplexities of the two. With `distill`: the pass holds its tensors and
+    keeps the FP32 teacher's, the scales are trained, and the held-out quality is measured again."""
     phase = time.perf_counter()
     packs = eval_packs(inputs.calibration, config.eval_tokens, config.seed)
     runner = BlockRunner(inputs.streamed)
     calibration = sample_sequences(inputs.calibration.train, config.calib_tokens, config.seed)
-    result = apply_plan(runner, plan, inputs.calibration.stats, calibration, writer, packs, progress)
-    runner.forget_rope()
+    if config.distill is not None:
+        writer.hold()
+    result = apply_plan(
+        runner,
+        plan,
+        inputs.calibration.stats,
+        calibration,
+        writer,
+        packs,
+        progress,
+        teacher=config.distill is not None,
+    )
     timings["quantize"] = time.perf_counter() - phase
     phase = time.perf_counter()
     with progress.task("Measuring the artifact against FP32 on held-out tokens"):
@@ -108,7 +120,19 @@ def _quantize_and_measure(
             packs, result.reference, result.candidate, result.reference_head, result.candidate_head
         )
     timings["evaluate"] = time.perf_counter() - phase
-    return result.info, quality
+    distilled = None
+    if config.distill is not None:
+        from quantize.distill.run import distill_held
+
+        phase = time.perf_counter()
+        distilled = distill_held(
+            runner, plan, writer, result, packs, quality, config.distill, config.max_memory, progress
+        )
+        quality = distilled.quality
+        writer.release()
+        timings["distill"] = time.perf_counter() - phase
+    runner.forget_rope()
+    return result.info, quality, distilled
 
 
 def _manifest(
@@ -204,7 +228,15 @@ def quantize_model(
     with artifact_writer(
         inputs.output, config.overwrite, config.max_shard_size or DEFAULT_SHARD_BYTES
     ) as writer:
-        module_info, quality = _quantize_and_measure(inputs, plan, config, writer, progress, timings)
+        module_info, quality, distilled = _quantize_and_measure(
+            inputs, plan, config, writer, progress, timings
+        )
+        manifest_data = _manifest(config, inputs, info, module_info, table, quality, timings, warnings)
+        if distilled is not None and config.distill is not None:
+            from quantize.distill.run import CURVE_FILE
+
+            manifest_data["quantization"]["distill"] = distilled.to_json(config.distill)
+            (writer.folder / CURVE_FILE).write_bytes(distilled.png)
         heatmap = heatmap_png(plan, table, candidates) if table is not None else heatmap_png(plan, None, [])
         phase = time.perf_counter()
         manifest = finish_artifact(
@@ -212,7 +244,7 @@ def quantize_model(
             config=_complete_config(inputs.model),
             plan=plan,
             source_dir=inputs.source.path,
-            manifest=_manifest(config, inputs, info, module_info, table, quality, timings, warnings),
+            manifest=manifest_data,
             heatmap=heatmap,
         )
     timings["save"] = time.perf_counter() - phase

@@ -228,12 +228,13 @@ class Scheduler:
             room = top if whole else budget
             if room <= 0:
                 break
+            taken: int | None
             if admit:
-                used = self._admit(upcoming, room, out, scheduled_ids, whole=whole)
-                admitting = used is not None
+                taken = self._admit(upcoming, room, out, scheduled_ids, whole=whole)
+                admitting = taken is not None
             else:
-                used = self._continue(prefills.pop(0), room, out, scheduled_ids, whole=whole)
-            budget, top = budget - (used or 0), top - (used or 0)
+                taken = self._continue(prefills.pop(0), room, out, scheduled_ids, whole=whole)
+            budget, top = budget - (taken or 0), top - (taken or 0)
         return out
 
     def _continue(

@@ -17,6 +17,7 @@ from quantize.algorithms import AWQ, GPTQ, RTN, Algorithm, Auto, AutoRound, Smoo
 from quantize.common.config import Problems
 from quantize.common.errors import QpackError
 from quantize.config import QuantizeConfig
+from quantize.distill import Distill
 from quantize.formats.schemes import Int4, Scheme, parse_scheme
 from quantize.io.exports import CompressedTensors
 from quantize.planning.plan import PlanRules
@@ -77,6 +78,12 @@ def _build(values: dict[str, Any], problems: Problems) -> dict[str, Any]:
     algorithm = _algorithm(values, problems)
     if algorithm is not None:
         fields["algorithm"] = algorithm
+    if values["distill"]:
+        fields["distill"] = Distill(
+            minutes=values["distill_minutes"],
+            lr=values["distill_lr"],
+            batch_tokens=values["distill_batch_tokens"],
+        )
     return fields
 
 
@@ -147,6 +154,31 @@ QUANTIZE = Options(
             doc=(AutoRound, "batch_tokens"),
             name="autoround_batch_tokens",
         ),
+        Option(
+            "",
+            ("--distill/--no-distill",),
+            bool,
+            False,
+            doc=(QuantizeConfig, "distill"),
+            name="distill",
+        ),
+        Option(
+            "",
+            ("--distill-minutes",),
+            float,
+            Distill.minutes,
+            doc=(Distill, "minutes"),
+            name="distill_minutes",
+        ),
+        Option("", ("--distill-lr",), float, Distill.lr, doc=(Distill, "lr"), name="distill_lr"),
+        Option(
+            "",
+            ("--distill-batch-tokens",),
+            int,
+            Distill.batch_tokens,
+            doc=(Distill, "batch_tokens"),
+            name="distill_batch_tokens",
+        ),
         Option("sensitivity.method", ("--sensitivity",)),
         Option("sensitivity.budget_minutes", ("--sensitivity-budget",)),
         Option("sensitivity.num_tokens", ("--sensitivity-tokens",)),
@@ -181,6 +213,9 @@ QUANTIZE = Options(
         "algorithm.iters": "--autoround-iters",
         "algorithm.init": "--autoround-init",
         "algorithm.batch_tokens": "--autoround-batch-tokens",
+        "distill.minutes": "--distill-minutes",
+        "distill.lr": "--distill-lr",
+        "distill.batch_tokens": "--distill-batch-tokens",
     },
 )
 

@@ -72,6 +72,7 @@ class ArtifactWriter:
         self.fp_bytes = self.quantized_bytes = self.quantized_fp32_bytes = 0
         self.by_scheme: dict[str, int] = {}
         self.tensor_names: dict[str, list[str]] = {}
+        self.holding = False
 
     def add_fp(self, tensors: dict[str, torch.Tensor]) -> None:
         """Weights kept in floating point, stored as FP32 (embeddings, head, norms, FP32-kept linears)."""
@@ -93,9 +94,21 @@ class ArtifactWriter:
         self.tensor_names[fqn] = sorted(record.tensors)
         self._add(tensors)
 
+    def hold(self) -> None:
+        """Keep every tensor added from now on in memory (no shard written) until `release`: a step after the
+        pass (distillation) may still change them."""
+        self.holding = True
+
+    def release(self) -> None:
+        """Write what was held, in the order it came, sharded as usual."""
+        self.holding = False
+        held, self.pending, self.pending_bytes = self.pending, {}, 0
+        for name, tensor in held.items():
+            self._add({name: tensor})
+
     def _add(self, tensors: dict[str, torch.Tensor]) -> None:
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
+        if self.pending and not self.holding and self.pending_bytes + size > self.max_shard_bytes:
             self._flush()
         self.pending.update(tensors)
         self.pending_bytes += size
@@ -109,6 +122,8 @@ class ArtifactWriter:
         self.pending, self.pending_bytes = {}, 0
 
     def finish(self) -> list[str]:
+        if self.holding:
+            self.release()
         if self.pending or not self.shards:
             self._flush()
         if len(self.shards) == 1:

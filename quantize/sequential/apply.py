@@ -71,6 +71,8 @@ class PassResult:
     candidate: list[torch.Tensor]
     reference_head: nn.Module
     candidate_head: nn.Module
+    packs: list[Pack]  # the calibration rows the pass ran on
+    teacher: list[torch.Tensor]  # with `teacher=True`: their FP32 final normed hidden states [T, H]
 
 
 def apply_plan(
@@ -81,9 +83,11 @@ def apply_plan(
     writer: ArtifactWriter,
     eval_packs: list[Pack],
     progress: Progress = NULL_PROGRESS,
+    teacher: bool = False,
 ) -> PassResult:
     """Quantize every planned linear with its algorithm (`plan.algorithms`) on the `calibration` sequences and
-    their recorded input statistics, writing each block's tensors as it is done; measure on `eval_packs`."""
+    their recorded input statistics, writing each block's tensors as it is done; measure on `eval_packs`. With
+    `teacher`, the FP32 model's hidden states of the calibration rows are carried too (distillation's teacher)."""
     packs = make_packs(calibration, 512, share_prefix=True)
     run = _Run(blocks, plan, stats, int(sum(p.represented_tokens for p in packs)))
     info: dict[str, dict[str, Any]] = {}
@@ -92,7 +96,8 @@ def apply_plan(
         hidden = [blocks.embed(p) for p in packs]
         reference = [blocks.embed(p) for p in eval_packs]
     candidate = list(reference)
-    fp_hidden = list(hidden) if run.learns_rounding else []
+    carry = run.learns_rounding or teacher
+    fp_hidden = list(hidden) if carry else []
     title = f"Quantizing {blocks.num_layers} blocks on {run.num_tokens:,} calibration tokens"
     with progress.task(title, total=blocks.num_layers) as task, blocks.without_outside():
         for index in range(blocks.num_layers):
@@ -101,7 +106,7 @@ def apply_plan(
                     reference = [
                         blocks.run_block(index, h, p) for h, p in zip(reference, eval_packs, strict=True)
                     ]
-                    if run.learns_rounding:
+                    if carry:
                         fp_hidden = [
                             blocks.run_block(index, h, p) for h, p in zip(fp_hidden, packs, strict=True)
                         ]
@@ -115,7 +120,11 @@ def apply_plan(
                         blocks.run_block(index, h, p) for h, p in zip(candidate, eval_packs, strict=True)
                     ]
             task.advance()
-    return _finish_outside_blocks(run, writer, info, hidden, packs, reference, candidate)
+    result = _finish_outside_blocks(run, writer, info, hidden, packs, reference, candidate)
+    if teacher:
+        with torch.inference_mode():
+            result.teacher = [blocks.norm(h)[0] for h in fp_hidden]
+    return result
 
 
 def _write_block(
@@ -415,7 +424,7 @@ def _finish_outside_blocks(
     with torch.inference_mode():
         reference = [blocks.norm(h)[0] for h in reference]
         candidate = [blocks.norm(h)[0] for h in candidate]
-    return PassResult(info, reference, candidate, reference_head, candidate_head)
+    return PassResult(info, reference, candidate, reference_head, candidate_head, packs, [])
 
 
 T = TypeVar("T", bound=A.Algorithm)
