@@ -1,6 +1,7 @@
 """One `quantize_model` run per process, for the benchmarks that compare quantize configurations: each child's
 peak RSS is its own, and a configuration is plain JSON (`preset` name, optional `group_size` for int4, optional
-`algorithm` as its `to_json` dict; without one, the preset's default), so a run is reproducible from its line
+`algorithm` as its `to_json` dict, without one the preset's default; optional `distill` settings and
+`calib_tokens`), so a run is reproducible from its line
 in the results file."""
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ spec = json.loads(sys.argv[1])
 options = spec["options"]
 group = options.get("group_size")
 extra = {"algorithm": Algorithm.from_json(options["algorithm"])} if "algorithm" in options else {}
+if "distill" in options:
+    from quantize.distill import Distill
+    extra["distill"] = Distill(**options["distill"])
+if "calib_tokens" in options:
+    extra["calib_tokens"] = options["calib_tokens"]
 started = time.perf_counter()
 result = quantize_model(QuantizeConfig(
     output=Path(spec["output"]), calibration=Path(spec["calibration"]), overwrite=True,
@@ -39,6 +45,7 @@ print(json.dumps({
     "size": result.manifest["size"],
     "timings": result.manifest["timings_s"],
     "plan": result.manifest["quantization"]["summary"],
+    "distill": {k: v for k, v in result.manifest["quantization"].get("distill", {}).items() if k != "curve"},
 }))
 """
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from qpack.cli import app
@@ -116,9 +117,10 @@ def test_quantize_reports_every_bad_option_at_once_by_its_flag(
         "--max-shard-size": "1KB",
         "--max-memory": "lots",
         "--override": "nonsense",
+        "--distill-minutes": "0",
     }
     args = ["--json", "quantize", "-c", str(tiny_llama_calibration), "-o", str(tmp_path / "art")]
-    result = runner.invoke(app, [*args, *(part for pair in bad.items() for part in pair)])
+    result = runner.invoke(app, [*args, *(part for pair in bad.items() for part in pair), "--distill"])
     assert result.exit_code == 2
     error = json.loads(result.stdout)["error"]
     assert error.startswith("invalid quantize options: ")
@@ -132,6 +134,7 @@ def test_quantize_reports_every_bad_option_at_once_by_its_flag(
         "--max-shard-size must be at least 16 KiB (got 1000 bytes)",
         "--max-memory 'lots' is not a size",
         "--override 'nonsense' is not PATTERN=SCHEME",
+        "--distill-minutes must be > 0 (got 0.0)",
     ):
         assert fragment in error, fragment
     assert not (tmp_path / "art").exists()
@@ -223,3 +226,22 @@ def test_serve_batch_invariant_refuses_what_the_native_step_cant_run(tiny_llama:
     error = json.loads(result.stdout)["error"]
     assert "--batch-invariant: the fused step can't run layers 0, 1" in error
     assert "the embeddings and LM head must be FP32" in error and "serve without --batch-invariant" in error
+
+
+def test_quantize_mixed_then_distill_from_the_command_line(
+    tmp_path: Path, tiny_llama_calibration: Path
+) -> None:
+    """`--preset mixed --distill` plans, quantizes, then distills: the manifest records the distillation and its
+    settings from the flags, and the artifact verifies."""
+    art = tmp_path / "art"
+    args = ["--json", "quantize", "-c", str(tiny_llama_calibration), "-o", str(art), "--preset", "mixed"]
+    flags = ["--distill", "--distill-minutes", "0.3", "--distill-lr", "0.004", "--calib-tokens", "2048"]
+    result = runner.invoke(app, [*args, "--sensitivity-tokens", "64", *flags])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(result.stdout)["manifest"]
+    section = manifest["quantization"]["distill"]
+    assert section["settings"]["minutes"] == 0.3 and section["settings"]["lr"] == 0.004
+    assert section["heldout_kl"] == pytest.approx(manifest["quality"]["kl"])
+    assert section["validation_kl"] <= section["validation_kl_before"]
+    assert "distill.png" in manifest["files"]
+    assert runner.invoke(app, ["inspect", str(art)]).exit_code == 0
