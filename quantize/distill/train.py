@@ -22,7 +22,7 @@ from quantize.common.errors import QpackError
 from quantize.common.progress import NULL_PROGRESS, Progress
 from quantize.distill.settings import Distill
 from quantize.distill.student import Student
-from quantize.sequential.packing import Pack
+from quantize.sequential.packing import Pack, row_batches
 
 
 @dataclass
@@ -61,28 +61,6 @@ def split(packs: list[Pack], teacher: list[torch.Tensor], settings: Distill) -> 
     return sorted(order[held:]), sorted(order[:held])
 
 
-def batches(packs: list[Pack], rows: list[int], tokens: int, rng: random.Random) -> Callable[[], list[int]]:
-    """A generator of batches: whole rows from `rows` adding up to about `tokens`, every row once per epoch."""
-    order: list[int] = []
-
-    def next_batch() -> list[int]:
-        batch: list[int] = []
-        size = 0
-        while size < tokens and len(batch) < len(rows):
-            if not order:
-                order.extend(rows)
-                rng.shuffle(order)
-            row = order.pop()
-            if row in batch:
-                order.insert(0, row)
-                break
-            batch.append(row)
-            size += packs[row].num_tokens
-        return batch
-
-    return next_batch
-
-
 def validation_kl(student: Student, packs: list[Pack], teacher: list[torch.Tensor], rows: list[int]) -> float:
     total = sum(student.kl(packs[i], teacher[i]) for i in rows)
     weight = sum(float(packs[i].weights.sum()) for i in rows)
@@ -101,7 +79,7 @@ def distill(
     train, held = split(packs, teacher, settings)
     params = student.parameters()
     optimizer = torch.optim.Adam(params, lr=settings.lr)
-    next_batch = batches(packs, train, settings.batch_tokens, random.Random(settings.seed))
+    next_batch = row_batches(packs, train, settings.batch_tokens, random.Random(settings.seed))
     started = clock()
     best = before = validation_kl(student, packs, teacher, held)
     best_state = [p.detach().clone() for p in params]

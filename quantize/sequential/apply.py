@@ -43,7 +43,7 @@ from quantize.model.surgery import (
 )
 from quantize.planning.plan import Plan
 from quantize.runtime.handlers import handler_for
-from quantize.sequential.packing import Pack, make_packs
+from quantize.sequential.packing import Pack, make_packs, row_batches
 from quantize.sequential.runner import BlockRunner, input_hessians
 
 
@@ -361,24 +361,8 @@ def _learn_rounding(
 def _batches(packs: list[Pack], tokens: int, steps: int, seed: int) -> list[list[int]]:
     """`steps` batches of pack indices, each whole rows adding up to about `tokens`, every pack once per epoch
     in a seeded order."""
-    rng = random.Random(seed)
-    order: list[int] = []
-    batches: list[list[int]] = []
-    while len(batches) < steps:
-        batch: list[int] = []
-        size = 0
-        while size < tokens and len(batch) < len(packs):
-            if not order:
-                order = list(range(len(packs)))
-                rng.shuffle(order)
-            i = order.pop()
-            if i in batch:
-                order.insert(0, i)
-                break
-            batch.append(i)
-            size += packs[i].num_tokens
-        batches.append(batch)
-    return batches
+    next_batch = row_batches(packs, list(range(len(packs))), tokens, random.Random(seed))
+    return [next_batch() for _ in range(steps)]
 
 
 def _finish_outside_blocks(

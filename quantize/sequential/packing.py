@@ -9,6 +9,7 @@ number of queries they stand for."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -138,3 +139,28 @@ def next_token_targets(pack: Pack) -> torch.Tensor:
         targets[start : start + length - 1] = ids[start + 1 : start + length]
         start += length
     return targets
+
+
+def row_batches(
+    packs: list[Pack], rows: list[int], tokens: int, rng: random.Random
+) -> Callable[[], list[int]]:
+    """A source of batches: whole rows of `rows` adding up to about `tokens` each, every row once per epoch in
+    an order shuffled by `rng`."""
+    order: list[int] = []
+
+    def next_batch() -> list[int]:
+        batch: list[int] = []
+        size = 0
+        while size < tokens and len(batch) < len(rows):
+            if not order:
+                order.extend(rows)
+                rng.shuffle(order)
+            row = order.pop()
+            if row in batch:
+                order.insert(0, row)
+                break
+            batch.append(row)
+            size += packs[row].num_tokens
+        return batch
+
+    return next_batch
