@@ -23,11 +23,12 @@ The waiting queue is bounded (`max_queue`); `add` returns False when it is full,
 429 with Retry-After, unless the newcomer outranks the lowest tier waiting: then the newest request of that tier
 leaves the queue instead (`shed`, answered 429 too), so a higher tier is never refused while a lower one waits.
 The knobs a controller turns between steps are all in `SchedulerConfig`: the batch cap, the step's token budget,
-the prompt tokens one request may prefill per step (`prefill_chunk`), the budget of a top-tier prefill step, and
-how long an arriving request may be
-held so that it is batched with later ones (`admission_wait`, the static batching-window rules). The scheduler never touches tensors: where a prefix misses the pool's cache, the engine's
-`fetch` callback may supply the next blocks of the chain from the lower tiers (already filled and registered),
-and `on_register` tells the engine about every block it registers, so it can write it through.
+the prompt tokens one request may prefill per step (`prefill_chunk`), how far a top-tier prompt may take a step
+(`top_tier_tokens`), and how long an arriving request may be held so that it is batched with later ones
+(`admission_wait`, the static batching-window rules). The scheduler never touches tensors: where a prefix misses
+the pool's cache, the engine's `fetch` callback may supply the next blocks of the chain from the lower tiers
+(already filled and registered), and `on_register` tells the engine about every block it registers, so it can
+write it through.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     prefill_chunk: int | None = None  # prompt tokens one request prefills per step (None: the budget)
     admission_wait: float = 0.0  # seconds a waiting head may be held for a fuller batch
-    top_tier_tokens: int = 0  # the budget of a step that prefills a top-tier prompt (0: no such steps)
+    top_tier_tokens: int = 0  # how many tokens a step with a top-tier prompt may reach (0: the budget)
 
 
 @dataclass

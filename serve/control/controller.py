@@ -63,7 +63,7 @@ class Knobs:
     admission_wait: float = (
         0.0  # seconds a request may be held to batch it with later ones (static rules only)
     )
-    top_tier_tokens: int = 0  # the budget of a step that prefills top-tier prompts (0: none apart)
+    top_tier_tokens: int = 0  # how many tokens a step with a top-tier prompt may reach (0: the budget)
 
 
 @dataclass(frozen=True)
