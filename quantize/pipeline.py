@@ -22,7 +22,7 @@ from quantize.common.errors import QpackError
 from quantize.common.fileio import check_output_dir
 from quantize.common.progress import NULL_PROGRESS, Progress
 from quantize.config import HeldoutQuality, QuantizeConfig, QuantizeResult
-from quantize.distill.run import Distilled
+from quantize.distill.run import CURVE_FILE, Distilled, distill_held
 from quantize.io.artifact import (
     DEFAULT_SHARD_BYTES,
     ArtifactWriter,
@@ -122,8 +122,6 @@ def _quantize_and_measure(
     timings["evaluate"] = time.perf_counter() - phase
     distilled = None
     if config.distill is not None:
-        from quantize.distill.run import distill_held
-
         phase = time.perf_counter()
         distilled = distill_held(
             runner, plan, writer, result, packs, quality, config.distill, config.max_memory, progress
@@ -233,8 +231,6 @@ def quantize_model(
         )
         manifest_data = _manifest(config, inputs, info, module_info, table, quality, timings, warnings)
         if distilled is not None and config.distill is not None:
-            from quantize.distill.run import CURVE_FILE
-
             manifest_data["quantization"]["distill"] = distilled.to_json(config.distill)
             (writer.folder / CURVE_FILE).write_bytes(distilled.png)
         heatmap = heatmap_png(plan, table, candidates) if table is not None else heatmap_png(plan, None, [])

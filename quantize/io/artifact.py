@@ -73,6 +73,7 @@ class ArtifactWriter:
         self.by_scheme: dict[str, int] = {}
         self.tensor_names: dict[str, list[str]] = {}
         self.holding = False
+        self.held_groups: list[list[str]] = []  # while holding: the names of each group added, in order
 
     def add_fp(self, tensors: dict[str, torch.Tensor]) -> None:
         """Weights kept in floating point, stored as FP32 (embeddings, head, norms, FP32-kept linears)."""
@@ -100,15 +101,19 @@ class ArtifactWriter:
         self.holding = True
 
     def release(self) -> None:
-        """Write what was held, in the order it came, sharded as usual."""
+        """Write what was held, in the order it came and in the groups it came in (a module's tensors still never
+        straddle two shards), sharded as usual."""
         self.holding = False
-        held, self.pending, self.pending_bytes = self.pending, {}, 0
-        for name, tensor in held.items():
-            self._add({name: tensor})
+        held, groups = self.pending, self.held_groups
+        self.pending, self.pending_bytes, self.held_groups = {}, 0, []
+        for names in groups:
+            self._add({name: held[name] for name in names})
 
     def _add(self, tensors: dict[str, torch.Tensor]) -> None:
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        if self.pending and not self.holding and self.pending_bytes + size > self.max_shard_bytes:
+        if self.holding:
+            self.held_groups.append(list(tensors))
+        elif self.pending and self.pending_bytes + size > self.max_shard_bytes:
             self._flush()
         self.pending.update(tensors)
         self.pending_bytes += size

@@ -150,3 +150,32 @@ def test_distill_settings_are_checked_by_field() -> None:
         ).validate()
     text = str(error.value)
     assert "distill.minutes" in text and "distill.lr" in text and "distill.validation" in text
+
+
+def test_a_held_writer_shards_exactly_as_one_that_never_held(tmp_path: Path) -> None:
+    """Distillation holds every tensor until it is done; released, they are written in the same shards, each
+    group (a module's tensors) in one shard, as a writer that never held them writes."""
+    from quantize.io.artifact import ArtifactWriter
+
+    groups = [{f"m{i}.a": torch.full((64 + 16 * i,), float(i)), f"m{i}.b": torch.ones(32)} for i in range(6)]
+    layouts = []
+    for hold in (False, True):
+        folder = tmp_path / f"hold-{hold}"
+        folder.mkdir()
+        writer = ArtifactWriter(folder, max_shard_bytes=1200)
+        if hold:
+            writer.hold()
+        for group in groups:
+            writer.add_fp(group)
+        if hold:
+            assert not writer.shards and len(writer.pending) == 12
+            writer.release()
+        names = writer.finish()
+        layouts.append([sorted(load_file(str(folder / n))) for n in names])
+    assert layouts[0] == layouts[1] and len(layouts[0]) > 2
+    assert all(
+        f"m{i}.a" in shard and f"m{i}.b" in shard
+        for shard in layouts[0]
+        for i in range(6)
+        if f"m{i}.a" in shard
+    )
