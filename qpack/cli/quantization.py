@@ -213,6 +213,7 @@ QUANTIZE = Options(
         "algorithm.iters": "--autoround-iters",
         "algorithm.init": "--autoround-init",
         "algorithm.batch_tokens": "--autoround-batch-tokens",
+        "distill": "--distill",
         "distill.minutes": "--distill-minutes",
         "distill.lr": "--distill-lr",
         "distill.batch_tokens": "--distill-batch-tokens",
