@@ -76,7 +76,9 @@ def distill_held(
 ) -> Distilled:
     """Distill the tensors `writer` holds; they end with the best scales found."""
     kept = keep_blocks(runner, limit) if keep is None else keep
-    student = Student(runner, writer.pending, plan.quantized(), writer.tensor_names, keep=kept)
+    student = Student(
+        runner, writer.pending, plan.quantized(), writer.tensor_names, kept, passed.reference_head
+    )
     result = distill(student, passed.packs, passed.teacher, settings, progress)
     for fqn, tensors in student.trained().items():
         writer.pending[f"{fqn}.scale"] = tensors["scale"]

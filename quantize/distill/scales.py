@@ -49,9 +49,15 @@ class LearnedScale:
 
     def stored(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`tensors` (the layer's stored form) with the trained scale in place of the original one."""
-        with torch.no_grad():
-            scale = (self.scale * torch.exp(self.log_factor)).to(self.dtype).contiguous()
-        return {**tensors, "scale": scale}
+        return stored_with(tensors, self.log_factor)
+
+
+def stored_with(tensors: dict[str, torch.Tensor], log_factor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stored int4/int8 layer's tensors with its scale multiplied by `exp(log_factor)`, in the scale's dtype."""
+    stored = tensors["scale"]
+    with torch.no_grad():
+        scale = (stored.to(torch.float32) * torch.exp(log_factor)).to(stored.dtype).contiguous()
+    return {**tensors, "scale": scale}
 
 
 def learnable(scheme: Scheme) -> bool:

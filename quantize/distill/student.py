@@ -27,12 +27,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from quantize.distill.scales import LearnedScale, learnable, learned_scale
+from quantize.distill.scales import LearnedScale, learnable, learned_scale, stored_with
 from quantize.formats.schemes import Scheme
 from quantize.model.surgery import set_module
 from quantize.runtime.handlers import handler_for
 from quantize.sequential.packing import Pack
 from quantize.sequential.runner import BlockRunner
+from quantize.sequential.streamed import assign_tensor
 
 CHUNK = 128  # positions whose logits exist at once (a 49k vocabulary at 128 positions: 25 MB a copy)
 
@@ -40,7 +41,7 @@ CHUNK = 128  # positions whose logits exist at once (a 49k vocabulary at 128 pos
 class Student:
     """The quantized model's blocks from `tensors` (the artifact's tensors by name), its quantized layers'
     schemes from `schemes` ({fqn: scheme}) and their stored tensor names from `names`; `runner` supplies the
-    embedding, the final norm, the FP32 head and the block templates."""
+    embedding, the final norm and the block templates, `teacher_head` the FP32 head (the runner's by default)."""
 
     def __init__(
         self,
@@ -49,8 +50,10 @@ class Student:
         schemes: Mapping[str, Scheme],
         names: Mapping[str, list[str]],
         keep: bool = True,
+        teacher_head: nn.Module | None = None,
     ) -> None:
         self.runner = runner
+        self.teacher_head = teacher_head if teacher_head is not None else runner.lm_head
         self.tensors = tensors
         self.schemes = dict(schemes)
         self.names = dict(names)
@@ -77,12 +80,7 @@ class Student:
 
     def trained(self) -> dict[str, dict[str, torch.Tensor]]:
         """{fqn: its stored tensors with the trained scale} for every learnable layer."""
-        out = {}
-        for fqn, factor in self.factors.items():
-            scale = learned_scale(self.schemes[fqn], self.record(fqn))
-            scale.log_factor = factor
-            out[fqn] = scale.stored(self.record(fqn))
-        return out
+        return {fqn: stored_with(self.record(fqn), factor) for fqn, factor in self.factors.items()}
 
     # ------------------------------------------------------------------ blocks
 
@@ -105,26 +103,31 @@ class Student:
         prefix = f"model.layers.{index}."
         return [fqn for fqn in self.schemes if fqn.startswith(prefix)]
 
+    def _base(self, index: int) -> nn.Module:
+        """Block `index`'s template with the artifact's tensors that are not parts of a quantized layer."""
+        layer = self._template(index)
+        for name, tensor in self._fp_tensors(index).items():
+            assign_tensor(layer, name, tensor.to(torch.float32))
+        return layer
+
     def block(self, index: int) -> tuple[nn.Module, dict[str, LearnedScale]]:
         """Block `index` in FP32 from the artifact's tensors, and its learnable layers by name within the block
         (their weights are passed at each call: they depend on the factors)."""
         if index in self._blocks:
             return self._blocks[index]
         prefix = f"model.layers.{index}."
-        layer = self._template(index)
-        for name, tensor in self._fp_tensors(index).items():
-            _assign(layer, name, tensor.to(torch.float32))
+        layer = self._base(index)
         learned: dict[str, LearnedScale] = {}
         for fqn in self._layers_of(index):
             local, scheme, record = fqn[len(prefix) :], self.schemes[fqn], self.record(fqn)
             if f"{fqn}.bias" in self.tensors:
-                _assign(layer, f"{local}.bias", self.tensors[f"{fqn}.bias"].to(torch.float32))
+                assign_tensor(layer, f"{local}.bias", self.tensors[f"{fqn}.bias"].to(torch.float32))
             if fqn in self.factors:
                 scale = learned_scale(scheme, record)
                 scale.log_factor = self.factors[fqn]
                 learned[local] = scale
             else:
-                _assign(layer, f"{local}.weight", handler_for(scheme).dequantize(scheme, record))
+                assign_tensor(layer, f"{local}.weight", handler_for(scheme).dequantize(scheme, record))
         built = (layer, learned)
         if self.keep:
             self._blocks[index] = built
@@ -134,9 +137,7 @@ class Student:
         """Block `index` as it will be served: the artifact's tensors (trained scales included once written
         back), its quantized layers as their runtime modules."""
         prefix = f"model.layers.{index}."
-        layer = self._template(index)
-        for name, tensor in self._fp_tensors(index).items():
-            _assign(layer, name, tensor.to(torch.float32))
+        layer = self._base(index)
         for fqn in self._layers_of(index):
             scheme = self.schemes[fqn]
             bias = self.tensors.get(f"{fqn}.bias")
@@ -223,7 +224,7 @@ class Student:
 
     def _chunk_kl(self, student: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            target = torch.log_softmax(self.runner.lm_head(teacher).float(), -1)
+            target = torch.log_softmax(self.teacher_head(teacher).float(), -1)
         logp = torch.log_softmax(F.linear(student, self.head_weight), -1)
         kl = (target.exp() * (target - logp)).sum(-1)
         return (kl * weights).sum()
@@ -231,12 +232,3 @@ class Student:
 
 def _chunks(pack: Pack) -> list[slice]:
     return [slice(start, min(start + CHUNK, pack.num_tokens)) for start in range(0, pack.num_tokens, CHUNK)]
-
-
-def _assign(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    owner_name, _, leaf = name.rpartition(".")
-    owner = root.get_submodule(owner_name) if owner_name else root
-    if leaf in owner._parameters:
-        owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
-    else:
-        owner._buffers[leaf] = tensor

@@ -123,13 +123,7 @@ class StreamedModel:
             self.outside_released = False
 
     def _assign(self, root: nn.Module, name: str, tensor: torch.Tensor) -> None:
-        owner_name, _, leaf = name.rpartition(".")
-        owner = root.get_submodule(owner_name) if owner_name else root
-        tensor = tensor.to(self.device)
-        if leaf in owner._parameters:
-            owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
-        else:
-            owner._buffers[leaf] = tensor
+        assign_tensor(root, name, tensor.to(self.device))
 
     def resident_bytes(self) -> int:
         """Bytes held for the whole run: the FP32 tensors outside the blocks (a tied head counted once)."""
@@ -179,6 +173,17 @@ class StreamedModel:
         self.layers[index] = layer
         self.loads += 1
         self.peak_blocks = max(self.peak_blocks, self.materialized + 1)
+
+
+def assign_tensor(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put `tensor` at `name` under `root` (a frozen parameter where the template has a parameter, else a
+    buffer), replacing whatever (a meta tensor) was there."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = root.get_submodule(owner_name) if owner_name else root
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        owner._buffers[leaf] = tensor
 
 
 def check_memory(streamed: StreamedModel, activation_tokens: int, max_memory: int | None) -> int:
