@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from serve.control.loop import ControlLoop
 from serve.fleet import protocol as P
 from serve.fleet.control import FleetControl
-from serve.fleet.reader import ResponseReader
+from serve.fleet.reader import ReaderClosed, ResponseReader
 from serve.metrics import ControlMetrics, TenantMetrics, TenantUsage
 from serve.openai import render
 from serve.openai.answers import Piece, disconnected, sse_events
@@ -239,11 +239,20 @@ class Gateway:
         stream = P.response_stream(request.request_id)
         if self.reader is None:
             self.reader = ResponseReader(self.config.redis_url, self.redis)
-        await self.reader.open(stream)
+        reader = self.reader
         chain, workers = P.Chain(), set()
         try:
+            try:
+                await reader.open(stream)
+            except ReaderClosed:
+                yield P.Chunk(
+                    "error",
+                    status=503,
+                    error={"message": "the gateway is shutting down; retry", "type": "unavailable"},
+                )
+                return
             while True:
-                fields = await self.reader.next(stream, max(0.0, request.deadline - time.time()))
+                fields = await reader.next(stream, max(0.0, request.deadline - time.time()))
                 if fields is None:
                     yield P.Chunk(
                         "error", status=504, error={"message": "request timed out", "type": "timeout"}
@@ -260,7 +269,7 @@ class Gateway:
                     return
                 yield chunk
         finally:
-            self.reader.close(stream)
+            reader.close(stream)
             await self._forget(request)
             await self.admission.release(tenant, request.request_id)
 

@@ -7,7 +7,9 @@ work per token falls with load instead of growing with it. A request that opens 
 would wait for the block to time out, so `open` wakes it with CLIENT UNBLOCK from the gateway's other
 connection (one command per request). Entries persist in their streams, so nothing is lost to the order of
 `open` and a worker's first write, to an outage, or to a reconnection: reading resumes from each stream's last
-id. Redis failures are retried with backoff; each request's own deadline bounds its wait (`next`).
+id. Redis failures are retried with backoff; each request's own deadline bounds its wait (`next`). Once closed
+it stays closed: a request that opens a stream after the gateway shut the reader down is refused (`ReaderClosed`)
+instead of starting a new read loop that nothing would ever stop.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ if TYPE_CHECKING:
     from redis.typing import KeyT, StreamIdT
 
 _log = logging.getLogger("qpack.fleet")
+
+
+class ReaderClosed(RuntimeError):
+    """The reader was closed (the gateway is shutting down): no stream can be opened on it."""
 
 
 @dataclass
@@ -46,8 +52,16 @@ class ResponseReader:
         self._generation = 0
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.closed = False
+
+    @property
+    def reading(self) -> bool:
+        """Whether a read loop is running."""
+        return self._task is not None and not self._task.done()
 
     async def open(self, stream: str) -> None:
+        if self.closed:
+            raise ReaderClosed("the gateway's response reader is closed (shutting down)")
         self.streams[stream] = _Subscription()
         self._changed.set()
         if self._task is None or self._task.done():
@@ -81,13 +95,19 @@ class ResponseReader:
             return None
 
     async def aclose(self) -> None:
+        """Stop reading for good. The loop is told by the flag as well as by cancellation: redis-py may swallow
+        a cancellation that lands in a blocking read, and the loop would then wait for streams forever."""
+        self.closed = True
+        self.streams.clear()
+        self._changed.set()
         if self._task is not None:
             self._task.cancel()
+            await asyncio.wait({self._task}, timeout=self.block_ms / 1000 + 1)
         await self.connection.aclose()
 
     async def _run(self) -> None:
         backoff = 0.1
-        while True:
+        while not self.closed:
             if not self.streams:
                 self._changed.clear()
                 await self._changed.wait()

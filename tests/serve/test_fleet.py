@@ -345,3 +345,28 @@ def test_chain_takes_each_token_once_from_the_newest_attempt() -> None:
     assert (chain.tokens, chain.ids, chain.chars, chain.attempt) == (3, [101, 102, 103], 4, 2)
     fresh = P.Chain()
     assert fresh.take(P.Chunk("accepted", attempt=2))  # the first attempt died before accepting
+
+
+def test_a_closed_reader_refuses_new_streams_and_leaves_no_read_loop(local_redis: LocalRedis) -> None:
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from serve.fleet.reader import ReaderClosed, ResponseReader
+
+    async def scenario() -> None:
+        control = aioredis.Redis.from_url(local_redis.url)
+        reader = ResponseReader(local_redis.url, control, block_ms=200)
+        await reader.open("answer:a")
+        await control.xadd("answer:a", {"kind": "delta"})
+        assert await reader.next("answer:a", 5) == {b"kind": b"delta"}
+        assert reader.reading
+        await reader.aclose()
+        assert not reader.reading
+        with pytest.raises(ReaderClosed):
+            await reader.open("answer:b")
+        await asyncio.sleep(0.3)
+        assert not reader.reading and not reader.streams
+        await control.aclose()
+
+    asyncio.run(scenario())
