@@ -1,7 +1,7 @@
 """One `quantize_model` run per process, for the benchmarks that compare quantize configurations: each child's
 peak RSS is its own, and a configuration is plain JSON (`preset` name, optional `group_size` for int4, optional
-`algorithm` as its `to_json` dict, without one the preset's default; optional `distill` settings and
-`calib_tokens`), so a run is reproducible from its line
+`algorithm` as its `to_json` dict, without one the preset's default; optional `distill` settings,
+`calib_tokens` and `eval_tokens`), so a run is reproducible from its line
 in the results file."""
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ extra = {"algorithm": Algorithm.from_json(options["algorithm"])} if "algorithm" 
 if "distill" in options:
     from quantize.distill import Distill
     extra["distill"] = Distill(**options["distill"])
-if "calib_tokens" in options:
-    extra["calib_tokens"] = options["calib_tokens"]
+for key in ("calib_tokens", "eval_tokens"):
+    if key in options:
+        extra[key] = options[key]
 started = time.perf_counter()
 result = quantize_model(QuantizeConfig(
     output=Path(spec["output"]), calibration=Path(spec["calibration"]), overwrite=True,
