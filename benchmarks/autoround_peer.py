@@ -65,7 +65,7 @@ for name, module in model.named_modules():
 save_file(weights, spec["weights"])
 print(json.dumps({
     "seconds": seconds,
-    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "peak_rss_mb": next(int(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")),
     "layers": len(weights),
     "version": __import__("auto_round").__version__,
     "options": {k: v for k, v in options.items() if k != "dataset"},

@@ -23,6 +23,12 @@ from quantize.common.memory import release_freed_memory
 from quantize.formats.schemes import Int4
 from quantize.pipeline import QuantizeConfig, quantize_model
 from quantize.planning.presets import PRESETS
+def peak_rss_mb():
+    # VmHWM: this process's own peak (ru_maxrss survives exec, so a child would report a large parent's peak)
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 release_freed_memory()
 spec = json.loads(sys.argv[1])
 options = spec["options"]
@@ -41,7 +47,7 @@ result = quantize_model(QuantizeConfig(
 ))
 print(json.dumps({
     "seconds": time.perf_counter() - started,
-    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "peak_rss_mb": peak_rss_mb(),
     "quality": result.manifest["quality"],
     "size": result.manifest["size"],
     "timings": result.manifest["timings_s"],

@@ -109,6 +109,39 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kind: str, isa: str) ->
         assert torch.equal(kernels.linear(x[:rows], *args), alone[:rows]), rows
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_prompt_sized_products_equal_each_row_alone_across_tiles_and_threads(kind: str, isa: str) -> None:
+    """From 8 rows the int8 kernel runs register tiles (csrc/tiles.h) instead of its decode loop (int4 keeps its
+    row kernel): every row of every M from 1 to 300, on 1 and 2 threads, must still equal that row computed
+    alone, bit for bit, so a prompt and its decode compute the same bits. K crosses the int8 kernels' 2048-input block and leaves a
+    tail; N leaves a partial tile of weight rows."""
+    generator = torch.Generator().manual_seed(11)
+    n = 23
+    args: tuple[torch.Tensor | None, ...]
+    if kind == "int4":
+        k = 2112
+        tensors = Int4Handler().quantize(Int4(group_size=64), torch.randn(n, k, generator=generator))
+        args = (tensors["qweight"], tensors["scale"], None, tensors["zero_point"])
+    else:
+        k = 2090
+        args = (
+            torch.randint(-127, 128, (n, k + 6), generator=generator, dtype=torch.int8),
+            torch.rand(n, generator=generator) / 100,
+            torch.randn(n, generator=generator),
+        )
+    x = torch.randn(300, k, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([kernels.linear(x[i : i + 1], *args) for i in range(x.shape[0])])
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in range(1, x.shape[0] + 1):
+                assert torch.equal(kernels.linear(x[:rows], *args), alone[:rows]), (rows, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _int4_case(
     rows: int, group_size: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@
 #include <ATen/record_function.h>
 
 #include "ops.h"
+#include "tiles.h"
 
 namespace qpack {
 
@@ -93,8 +94,45 @@ void lin_cols(const Lin& L, const float* x, int64_t M, int64_t K, float* y, int6
   }
 }
 
+// From this many activation rows the int8 kernel runs register tiles (tiles.h): same bits, fewer loads.
+// Below it (decode of a few sequences) each weight row is read once for every activation row, as before.
+constexpr int64_t kTileMinRows = 8;
+
+// Activation rows a tile pass keeps in cache (~256 KB of int16) while the weight tiles stream past.
+inline int64_t row_block(int64_t K, int64_t tile_rows) {
+  return std::max<int64_t>(8 * tile_rows, (256 * 1024 / (2 * K)) / tile_rows * tile_rows);
+}
+
+// y for a tile's nb columns from n and mb rows from m, each value stored as store_rows stores it.
+inline void store_tile(const Lin& L, int64_t n, int nb, const float* out, const float* row_scale, int64_t m, int mb,
+                       float* y, int64_t ldy, bool accumulate) {
+  float column[16];
+  for (int i = 0; i < nb; ++i) {
+    for (int j = 0; j < mb; ++j) column[j] = out[j * nb + i];
+    store_rows(L, n + i, column, row_scale, m, mb, y, ldy, accumulate);
+  }
+}
+
+void tiles_i8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
+  const int8_t* w = static_cast<const int8_t*>(L.w);
+  const int64_t K = a.K, block = row_block(K, kTileRows8);
+  float out[kTileRows8 * kTileCols8];
+  for (int64_t m0 = 0; m0 < a.M; m0 += block) {
+    const int64_t m1 = std::min(a.M, m0 + block);
+    for (int64_t n = n0; n < n1; n += kTileCols8) {
+      const int nb = static_cast<int>(std::min<int64_t>(kTileCols8, n1 - n));
+      for (int64_t m = m0; m < m1; m += kTileRows8) {
+        const int mb = static_cast<int>(std::min<int64_t>(kTileRows8, m1 - m));
+        tile_i8<kTileRows8, kTileCols8>(mb, nb, a.q + m * K, K, w + n * L.ldw, L.ldw, out);
+        store_tile(L, n, nb, out, a.scale, m, mb, y, ldy, accumulate);
+      }
+    }
+  }
+}
+
 void lin_cols_i8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
   a.quantize();
+  if (a.M >= kTileMinRows) return tiles_i8(L, a, y, ldy, n0, n1, accumulate);
   const int8_t* w = static_cast<const int8_t*>(L.w);
   const int64_t K = a.K;
   float out[8];

@@ -1,0 +1,119 @@
+"""Prompt-sized products of one linear layer, per shape and per kernel build, in one run: qpack's native int8 and
+int4 kernels (register tiles from 8 rows, the activation rounded to int16 per row, bit-identical to decode)
+against torch's FP32 `F.linear` on an FP32 weight (oneDNN/MKL) and the path the modules took for prompts before
+(dequantize into a scratch buffer, then that GEMM).
+
+Shapes: SmolLM2-135M's projections (fused q/k/v and gate/up, as the runtime fuses them) and Llama-3-8B's widths.
+Every build this CPU can execute is measured (`kernels.forced`: AVX2 on an AVX-512 machine too). Each number is
+the median of `--repeats` timed calls after a warm-up, as GOP/s (2 M N K per call).
+
+    python benchmarks/prefill.py [--rows 512] [--repeats 7] [--out out/bench-prefill.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from quantize.formats import primitives as P
+from quantize.formats.schemes import Int4, Int8
+from quantize.runtime.handlers import Int4Handler
+from quantize.runtime.kernels import ops as kernels
+from quantize.runtime.modules import Int4Linear, Int8Linear
+
+SHAPES = {  # name: (K inputs, N outputs)
+    "smollm2 qkv": (576, 960),
+    "smollm2 o": (576, 576),
+    "smollm2 gate_up": (576, 3072),
+    "smollm2 down": (1536, 576),
+    "8b q": (4096, 4096),
+    "8b gate": (4096, 14336),
+    "8b down": (14336, 4096),
+}
+
+
+def median_seconds(call: Callable[[], object], repeats: int) -> float:
+    call()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure(name: str, k: int, n: int, rows: int, repeats: int, group: int) -> dict[str, object]:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, k, generator=generator) / k**0.5
+    x = torch.randn(rows, k, generator=generator)
+    int8 = Int8Linear(
+        Int8(),
+        torch.round(weight / (weight.abs().amax(1, keepdim=True) / 127)).to(torch.int8),
+        weight.abs().amax(1) / 127,
+        None,
+    )
+    tensors = Int4Handler().quantize(Int4(group_size=group), weight)
+    int4 = Int4Linear(
+        Int4(group_size=group), tensors["qweight"], tensors["scale"], tensors["zero_point"], None
+    )
+    ops = 2 * rows * n * k / 1e9
+    result: dict[str, object] = {"k": k, "n": n, "rows": rows}
+    with torch.inference_mode():
+        result["torch fp32"] = ops / median_seconds(lambda: F.linear(x, weight), repeats)
+        scratch = torch.empty(n, k)
+
+        def dequantized_int8() -> torch.Tensor:
+            return F.linear(x, P.dequantize_int8(int8.qweight[:, :k], int8.scale, out=scratch))
+
+        def dequantized_int4() -> torch.Tensor:
+            kernels.dequantize_int4(int4.qweight, int4.scale, int4.zero_point, scratch)
+            return F.linear(x, scratch)
+
+        result["dequantize+gemm int8"] = ops / median_seconds(dequantized_int8, repeats)
+        for isa in kernels.runnable_isas():
+            with kernels.forced(isa):
+                if isa == kernels.runnable_isas()[-1]:
+                    result["dequantize+gemm int4"] = ops / median_seconds(dequantized_int4, repeats)
+                q = int8.qweight
+                result[f"native int8 {isa}"] = ops / median_seconds(
+                    lambda q=q: kernels.linear(x, q, int8.scale), repeats
+                )
+                result[f"native int4 {isa}"] = ops / median_seconds(
+                    lambda: kernels.linear(x, int4.qweight, int4.scale, None, int4.zero_point), repeats
+                )
+    print(name, {key: round(v, 1) if isinstance(v, float) else v for key, v in result.items()}, flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--group", type=int, default=64)
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    parser.add_argument("--out", type=Path, default=Path("out/bench-prefill.json"))
+    args = parser.parse_args()
+    kernels.enable()
+    results = {
+        name: measure(name, *SHAPES[name], args.rows, args.repeats, args.group) for name in args.shapes
+    }
+    from qpack.bench.sysinfo import machine_info
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    summary = {"machine": machine_info(), "threads": torch.get_num_threads(), "gops": results}
+    args.out.write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
