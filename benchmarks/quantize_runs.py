@@ -15,20 +15,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 from quantize.algorithms import Algorithm
-from quantize.common.memory import release_freed_memory
+from quantize.common.memory import peak_rss_mb, release_freed_memory
 from quantize.formats.schemes import Int4
 from quantize.pipeline import QuantizeConfig, quantize_model
 from quantize.planning.presets import PRESETS
-def peak_rss_mb():
-    # VmHWM: this process's own peak (ru_maxrss survives exec, so a child would report a large parent's peak)
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 release_freed_memory()
 spec = json.loads(sys.argv[1])
 options = spec["options"]

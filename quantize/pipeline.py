@@ -8,7 +8,6 @@ write the artifact atomically."""
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from torch import nn
 
 from quantize.common.errors import QpackError
 from quantize.common.fileio import check_output_dir
+from quantize.common.memory import peak_rss_mb
 from quantize.common.progress import NULL_PROGRESS, Progress
 from quantize.config import HeldoutQuality, QuantizeConfig, QuantizeResult
 from quantize.distill.run import CURVE_FILE, Distilled, distill_held
@@ -188,7 +188,7 @@ def _manifest(
         "memory": {
             "peak_blocks_materialized": inputs.streamed.peak_blocks,
             "block_loads": inputs.streamed.loads,
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "peak_rss_mb": round(peak_rss_mb(), 1),
         },
         "evals": {},
     }

@@ -8,7 +8,8 @@ reuse. That trade is right for batch jobs (calibrate, quantize, evaluate, build)
 a few times, and wrong for a server, which allocates the same activations every step: under the policy an int8
 prefill of 128 tokens took ~1.0 s instead of ~0.6 s. The CLI applies it to every command except `serve`.
 `trim_heap` hands free pages back on demand (before an RSS reading, after a server's engine is built), and
-`available_memory` is what the memory-bound passes (`--max-memory`, the KV pool's fraction) size themselves by."""
+`available_memory` is what the memory-bound passes (`--max-memory`, the KV pool's fraction) size themselves by,
+and `peak_rss_mb` the peak a manifest or benchmark reports."""
 
 from __future__ import annotations
 
@@ -80,3 +81,19 @@ def available_memory() -> int:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
         return 8 * 2**30
+
+
+def peak_rss_mb() -> float:
+    """This process's own peak resident memory in MB: /proc's VmHWM, which starts afresh at exec, where
+    `ru_maxrss` carries over the peak of the process that spawned it (a benchmark's child would report its
+    parent's); `ru_maxrss` where /proc has no VmHWM."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

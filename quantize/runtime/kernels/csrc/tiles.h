@@ -9,8 +9,6 @@
 // on the tile it falls in, on M, or on which kernel served it: prefill and decode compute the same bits.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
