@@ -15,7 +15,9 @@ without precision routing, on one server or a fleet, in one sitting.
 3. **Runs**, each on a fresh server: (a) a static latency configuration (a small batch and prefill chunks),
    (b) a static throughput configuration (`--max-num-seqs 32`), (c1) (b) with a batching window of the
    average latency x 1.5, (c2) (b) with a window of the average processing time / 2 (the design's two static
-   rules, from step 1's measurements), (d) `--control`, (e) `--control` with `--variant` served beside.
+   rules, from step 1's measurements), (d) `--control`, (e) `--control` with `--variant` served beside (on a
+   fleet every worker process holds both builds), (e1) on a fleet, (e) with the workers taking the builds in
+   turn (`--worker-variants one`).
 4. **Per run and tier**: SLO attainment (met / served, and met / all that asked), goodput (met requests a
    second), shed (429 from the controller), refused (429 queue full), lost (no answer: errors, timeouts), TTFT
    p50/p95/p99, TPOT p50/p95; tokens a second overall and during the surge; the share each variant served and
@@ -496,6 +498,15 @@ def _configs(measured: dict[str, float], variant: str | None, capacity: float) -
             f"{capacity:.3f}",
             *([variant] if variant else []),
         ],
+        "e1": [  # (e) on a fleet whose workers take the builds in turn instead of each holding both
+            *throughput,
+            "--control",
+            "--control-capacity",
+            f"{capacity:.3f}",
+            *([variant] if variant else []),
+            "--worker-variants",
+            "one",
+        ],
     }
 
 
@@ -561,7 +572,8 @@ def main() -> None:
             )
             run_args = [args.artifact, *common, "--tenants", str(tenants), *fleet, *extra]
             print(f"run {name}: {' '.join(run_args)}", flush=True)
-            result = run_one(name, run_args, arrivals, requests, out, args.workers if args.fleet else 0)
+            engines = args.workers * (2 if name == "e" and args.variant else 1)  # e: both builds each
+            result = run_one(name, run_args, arrivals, requests, out, engines if args.fleet else 0)
             (out / f"run-{name}.json").write_text(json.dumps(result))
             summary = summarize(result["outcomes"], slo, (phases[0], phases[2]), kl)
             summary["controller"] = controller_timing(

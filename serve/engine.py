@@ -346,7 +346,7 @@ class Engine:
     def load(self) -> Load:
         """What a controller reads of this engine: per tier, the requests still waiting for their first token
         (queued, or seated but still prefilling: a batch of many seats hides a queue of prompts) and how long the
-        oldest of them has waited; running requests; and counts so far, which the controller takes differences
+        oldest of them has waited; running requests; how many wait for a seat (saturation); and counts so far, which the controller takes differences
         of: requests finished, tokens computed, requests served and their tokens."""
         now = time.monotonic()
         with self._lock:
@@ -365,6 +365,7 @@ class Engine:
                 stats.tokens,
                 stats.served,
                 stats.served_tokens,
+                queued=self.scheduler.num_waiting,
             )
 
     def _salt(self, *parts: bytes) -> bytes:

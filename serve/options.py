@@ -122,6 +122,10 @@ class ServeOptions:
     workers here)."""
     workers: int = 2
     """Workers the all role starts beside its gateway."""
+    worker_variants: str = "all"
+    """With several TARGETS and the all role: all (each worker process holds every build, so routing a tier to the
+    cheaper one adds capacity on the same cores; memory: every build and a KV pool each) or one (the workers take
+    the builds in turn; a worker on the cheaper build is accurate capacity lost)."""
     claim_idle: float = 10.0
     """Seconds before a dead worker's requests are taken over by another."""
     threads: int | None = None
@@ -231,9 +235,14 @@ class ServeOptions:
         )
         problems.check(self.workers >= 1, "workers", f"must be at least 1 (got {self.workers})")
         problems.check(
-            not self.variants or self.role in ("single", "all"),
+            not self.variants or self.role != "gateway",
             "variants",
-            f"need `role` single or all (a {self.role} serves one build or none)",
+            "need `role` single, worker or all (a gateway serves no model)",
+        )
+        problems.check(
+            self.worker_variants in ("all", "one"),
+            "worker_variants",
+            f"must be all or one (got {self.worker_variants!r})",
         )
         problems.check(self.claim_idle > 0, "claim_idle", f"must be > 0 seconds (got {self.claim_idle})")
 

@@ -8,7 +8,7 @@ most accurate one unless the load says otherwise (`serve.control`); a request ma
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from serve.engine import Engine
@@ -74,7 +74,7 @@ class Variants:
         raise ApiError(404, f"model {model!r} is not served here; use {names}", "model", "model_not_found")
 
 
-def prioritize(variants: Variants, patience: float = 0.0) -> None:
+def prioritize(variants: Variants, patience: float | Callable[[], float] = 0.0) -> None:
     """The cheaper variants of one machine start no step while the most accurate one holds a top-tier request
     that has waited `patience` seconds or more for its first token: side by side their steps slow each other,
     and the top tier, which always runs on the most accurate variant, would miss its first-token target
@@ -82,5 +82,9 @@ def prioritize(variants: Variants, patience: float = 0.0) -> None:
     the int8 one, 98.8% with one engine). Giving way as soon as any top-tier prompt waits cost a eighth of the
     goodput routing had gained; a patience of a quarter of its target gives way only to the late ones."""
     primary = variants.primary.engine
+
+    def waited() -> float:
+        return patience() if callable(patience) else patience
+
     for served in variants.served[1:]:
-        served.engine.defer_to = lambda: primary.top_tier_pending(patience)
+        served.engine.defer_to = lambda: primary.top_tier_pending(waited())

@@ -66,6 +66,7 @@ SERVE = Options(
         "redis",
         "role",
         "workers",
+        "worker_variants",
         "claim_idle",
         "threads",
     ],

@@ -94,6 +94,7 @@ class Load:
     served: int = 0  # requests that ran and finished since the last tick
     served_tokens: int = 0  # their prompt and output tokens
     engines: int = 1  # the engines whose counts these are (a fleet's workers of one build, summed)
+    queued: int = 0  # of those waiting, the ones not yet seated (every tier): the engine is saturated
 
 
 @dataclass(frozen=True)
@@ -316,13 +317,14 @@ class Controller:
         return POOL if self.config.pooled else variant
 
     def _learn_capacity(self, observation: Observation, elapsed: float) -> None:
-        """A tick counts when it ran in throughput mode and the group (the pool, or a variant) was busy at its
-        start and at its end (requests waiting, or every seat of a variant taken): it finished as fast as it
-        can."""
+        """A tick counts when it ran in throughput mode and the group (the pool, or a variant) was saturated at
+        its start and at its end (requests queued for a seat, or every seat of a variant taken): it finished as
+        fast as it can. Seated prompts still in prefill do not count: a base load keeps a few seated all the
+        time, at a fraction of the rate a full batch computes."""
         seats = self.decision.knobs.max_num_seqs if self.decision is not None else 1
         for group, variants in self.groups.items():
             loads = [observation.loads.get(v, Load()) for v in variants]
-            busy = any(sum(load.waiting.values()) > 0 or load.running >= seats for load in loads)
+            busy = any(load.queued > 0 or load.running >= seats for load in loads)
             if busy and self._busy.get(group) and self.mode == THROUGHPUT:
                 self.capacity[group].add(elapsed, sum(load.tokens for load in loads))
             served = sum(load.served for load in loads)

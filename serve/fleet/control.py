@@ -28,6 +28,7 @@ from serve.tenancy.tenants import TenantsSource
 class _Model:
     loop: ControlLoop
     builds: tuple[tuple[str, float], ...]
+    pooled: bool  # every worker process holds every build: one capacity for them all
     loads: dict[str, Load] = field(default_factory=dict)
     published: Decision | None = None
 
@@ -42,20 +43,23 @@ class FleetControl:
 
     def loop_for(self, model: str, workers: list[P.WorkerInfo]) -> ControlLoop:
         """The model's loop over the builds its live workers serve (most accurate first)."""
-        builds = tuple(sorted({(w.build, w.kl) for w in workers if w.model == model}, key=lambda b: b[1]))
+        mine = [w for w in workers if w.model == model]
+        builds = tuple(sorted({(w.build, w.kl) for w in mine}, key=lambda b: b[1]))
+        pooled = cohosted(mine)
         known = self.models.get(model)
-        if known is not None and (known.builds == builds or not builds):
+        if known is not None and ((known.builds, known.pooled) == (builds, pooled) or not builds):
             return known.loop
         tiers = self.tenants.current.tiers
         controller = None
         if self.config is not None:
-            separate = dataclasses.replace(self.config, pooled=False)  # every worker computes on its own
-            controller = Controller(separate, policies(tiers), [Variant(name, kl) for name, kl in builds])
+            grouped = dataclasses.replace(self.config, pooled=pooled)
+            controller = Controller(grouped, policies(tiers), [Variant(name, kl) for name, kl in builds])
         state = _Model(
             ControlLoop(
                 tiers, [name for name, _kl in builds], lambda: {}, lambda _d: None, self.metrics, controller
             ),
             builds,
+            pooled,
         )
         state.loop.loads = lambda: state.loads
         self.models[model] = state
@@ -84,7 +88,8 @@ class FleetControl:
         for worker in workers:
             if worker.model != model:
                 continue
-            load = loads.get(worker.build) or Load(dict(self.unaccepted.get(worker.build, {})), engines=0)
+            unaccepted = dict(self.unaccepted.get(worker.build, {}))
+            load = loads.get(worker.build) or Load(unaccepted, engines=0, queued=sum(unaccepted.values()))
             waiting, oldest = dict(load.waiting), dict(load.oldest)
             for tier, count in worker.waiting.items():
                 waiting[tier] = waiting.get(tier, 0) + count
@@ -99,6 +104,7 @@ class FleetControl:
                 load.served + worker.served,
                 load.served_tokens + worker.served_tokens,
                 load.engines + 1,
+                load.queued + worker.queued,
             )
         return loads
 
@@ -110,7 +116,24 @@ class FleetControl:
             "prefill_chunk": knobs.prefill_chunk,
             "admission_wait": knobs.admission_wait,
             "top_tier_tokens": knobs.top_tier_tokens,
+            "patience": self._patience(),
             "mode": decision.mode,
             "version": f"{time.time():.3f}-{uuid.uuid4().hex[:6]}",
         }
         await self.redis.hset(P.control_key(model), mapping=fields)
+
+    def _patience(self) -> float:
+        """How long a top-tier prompt waits on a worker process before the cheaper builds there give way to it: a
+        quarter of the top tier's first-token target (`serve.variants.prioritize`)."""
+        top = min(self.tenants.current.tiers, key=lambda t: t.rank)
+        return 0.25 * top.ttft_ms / 1000 if top.ttft_ms else 0.0
+
+
+def cohosted(workers: list[P.WorkerInfo]) -> bool:
+    """Whether the workers' processes each hold every build (so all builds share each process's cores: one
+    capacity for the fleet), rather than a build each (a capacity per build)."""
+    builds = {w.build for w in workers}
+    hosts: dict[str, set[str]] = {}
+    for worker in workers:
+        hosts.setdefault(worker.host or worker.worker_id, set()).add(worker.build)
+    return len(builds) > 1 and all(held == builds for held in hosts.values())

@@ -230,6 +230,8 @@ class WorkerInfo:
     oldest: dict[str, float] = field(
         default_factory=dict
     )  # per tier: how long its oldest waiting one has waited
+    queued: int = 0  # of the waiting, those without a seat yet (saturation)
+    host: str = ""  # the process it computes in: engines of one host share its cores
 
     @property
     def room(self) -> int:
@@ -269,6 +271,8 @@ class WorkerInfo:
                 int(data.get("served", 0)),
                 int(data.get("served_tokens", 0)),
                 {str(k): float(v) for k, v in json.loads(data.get("oldest", "{}")).items()},
+                int(data.get("queued", 0)),
+                data.get("host", ""),
             )
         except (KeyError, ValueError, TypeError, AttributeError, UnicodeDecodeError):
             return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,15 +17,19 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
 
 from quantize.common.errors import QpackError
 from serve.fleet.gateway import Gateway, GatewayConfig, create_gateway_app
 from serve.fleet.worker import FleetWorker, WorkerConfig
 from serve.http import BackgroundServer, free_port, port_in_use, serve_app
-from serve.loading import reference_name, start_engine
+from serve.loading import reference_name, start_engine, start_variants
+from serve.metrics import Labelled
+from serve.metrics import render as render_metrics
 from serve.openai.errors import error_response
 from serve.openai.routes import ServerInfo, metrics_refusal
 from serve.options import ServeOptions
+from serve.variants import prioritize
 
 
 def check_redis(url: str) -> None:
@@ -55,21 +60,11 @@ def run_gateway(options: ServeOptions, info: ServerInfo, log: Callable[[str], No
 
 
 def run_worker(options: ServeOptions, log: Callable[[str], None]) -> None:
-    """The engine behind Redis until SIGTERM/SIGINT; `/health` and `/metrics` on --port."""
+    """The engine behind Redis until SIGTERM/SIGINT; `/health` and `/metrics` on --port. With `variants`, one
+    engine per build in this process, each a worker of its build (`host_workers`)."""
     url = _redis_url(options)
     check_redis(url)
-    loaded, engine = start_engine(options, log)
-    config = WorkerConfig(
-        url,
-        options.model_name or loaded.name,
-        loaded.version,
-        loaded.content_hash,
-        variant=loaded.name if options.model_name else "",
-        kl=loaded.kl,
-        claim_idle_s=options.claim_idle,
-        request_timeout=options.request_timeout,
-    )
-    worker = FleetWorker(engine, config)
+    workers = host_workers(options, url, log)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_args: stop.set())
@@ -77,9 +72,55 @@ def run_worker(options: ServeOptions, log: Callable[[str], None]) -> None:
         signal.SIGHUP, lambda *_args: log("fleet worker: nothing to reload (tenants are the gateway's)")
     )
     port = worker_port(options.host, options.port, log)
-    log(f"qpack fleet worker {config.worker_id}: {loaded.name} v{loaded.version} (queue: {url}, port {port})")
-    with BackgroundServer(worker_app(worker, options.metrics_key), port=port, host=options.host):
-        worker.run(stop)
+    for worker in workers:
+        log(
+            f"qpack fleet worker {worker.config.worker_id}: {worker.variant} v{worker.config.version} "
+            f"(queue: {url}, port {port})"
+        )
+    threads = [
+        threading.Thread(target=worker.run, args=(stop,), name=f"qpack-worker-{worker.variant}")
+        for worker in workers[1:]
+    ]
+    with BackgroundServer(worker_app(workers, options.metrics_key), port=port, host=options.host):
+        for thread in threads:
+            thread.start()
+        workers[0].run(stop)
+        for thread in threads:
+            thread.join()
+
+
+def host_workers(options: ServeOptions, url: str, log: Callable[[str], None]) -> list[FleetWorker]:
+    """This process's workers: one for `target`, or with `variants` one per build, most accurate first, sharing
+    this process's cores (one `host`), so routing a tier to the cheaper build adds to the accurate build's
+    capacity instead of taking a worker from it. The cheaper builds give way to a late top-tier prompt of the
+    accurate one (`prioritize`, with the patience the gateway publishes)."""
+
+    def config(name: str, variant: str, version: str, content_hash: str, kl: float) -> WorkerConfig:
+        return WorkerConfig(
+            url,
+            name,
+            version,
+            content_hash,
+            variant=variant,
+            kl=kl,
+            claim_idle_s=options.claim_idle,
+            request_timeout=options.request_timeout,
+            host=host,
+        )
+
+    host = f"{socket.gethostname()}-{os.getpid()}"
+    if not options.variants:
+        loaded, engine = start_engine(options, log)
+        variant = loaded.name if options.model_name else ""
+        name = options.model_name or loaded.name
+        return [FleetWorker(engine, config(name, variant, loaded.version, loaded.content_hash, loaded.kl))]
+    variants = start_variants(options, log)
+    workers = [
+        FleetWorker(s.engine, config(variants.model, s.name, s.version, s.content_hash, s.kl))
+        for s in variants
+    ]
+    prioritize(variants, lambda: workers[0].patience)
+    return workers
 
 
 def worker_port(host: str, port: int, log: Callable[[str], None]) -> int:
@@ -92,42 +133,60 @@ def worker_port(host: str, port: int, log: Callable[[str], None]) -> int:
     return chosen
 
 
-def worker_app(worker: FleetWorker, metrics_key: str | None = None) -> FastAPI:
-    """A fleet worker's own HTTP face: `/health` and `/metrics` (the engine's, plus claims; only for the bearer
-    of `metrics_key` when there is one)."""
-    engine = worker.engine
+def worker_app(workers: list[FleetWorker], metrics_key: str | None = None) -> FastAPI:
+    """A fleet worker process's own HTTP face: `/health` and `/metrics` (its engines', plus claims; several
+    builds' engines labelled by `variant`; only for the bearer of `metrics_key` when there is one)."""
     app = FastAPI(title="qpack fleet worker")
     app.state.start_draining = lambda: None
 
     @app.get("/health")
     async def health() -> Response:
-        load = {"running": len(engine.scheduler.running), "waiting": engine.scheduler.num_waiting}
-        return JSONResponse({"status": "ok", "worker": worker.config.worker_id, **load})
+        builds = [
+            {
+                "worker": w.config.worker_id,
+                "variant": w.variant,
+                "running": len(w.engine.scheduler.running),
+                "waiting": w.engine.scheduler.num_waiting,
+            }
+            for w in workers
+        ]
+        if len(builds) == 1:
+            return JSONResponse({"status": "ok", **builds[0]})
+        return JSONResponse({"status": "ok", "workers": builds})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         refused = metrics_refusal(request.headers.get("authorization", "").encode(), metrics_key)
         if refused is not None:
             return error_response(refused)
-        claims = f"# TYPE qpack_fleet_claims_total counter\nqpack_fleet_claims_total {worker.claimed}\n"
-        return Response(engine.metrics.render() + claims.encode(), media_type="text/plain; version=0.0.4")
+        claims = sum(w.claimed for w in workers)
+        if len(workers) == 1:
+            engines = workers[0].engine.metrics.render()
+        else:
+            merged = CollectorRegistry()
+            merged.register(Labelled("variant", {w.variant: w.engine.metrics.registry for w in workers}))
+            engines = render_metrics(merged)
+        own = f"# TYPE qpack_fleet_claims_total counter\nqpack_fleet_claims_total {claims}\n"
+        return Response(engines + own.encode(), media_type="text/plain; version=0.0.4")
 
     return app
 
 
 def worker_options(options: ServeOptions, index: int) -> ServeOptions:
-    """The options of a `--role all` gateway's INDEX-th worker: the same engine limits, the targets in turn (with
-    `variants`, under the name of the model they were built from), its own port after the gateway's, one thread
+    """The options of a `--role all` gateway's INDEX-th worker: the same engine limits, every target (or with
+    `worker_variants` one, the targets in turn; with `variants`, under the name of the model they were built
+    from), its own port after the gateway's, one thread
     unless --threads says otherwise, its /health and /metrics on loopback, and no API keys or tenants (a worker
     serves no API and trusts the gateway's stamp; its options travel on a command line, so the metrics key
     travels in its environment, `QPACK_METRICS_KEY`, out of `ps`). The ports after the
     gateway's may be held by a client connection's local end (loopback clients take ephemeral ports): a worker
     that finds its port taken serves /health and /metrics on a free one and says which."""
     targets = (options.target or "", *options.variants)
+    together = options.worker_variants == "all"
     return dataclasses.replace(
         options,
-        target=targets[index % len(targets)],
-        variants=(),
+        target=targets[0] if together else targets[index % len(targets)],
+        variants=options.variants if together else (),
         model_name=options.model_name or (reference_name(targets[0]) if len(targets) > 1 else None),
         role="worker",
         host="127.0.0.1",
@@ -142,10 +201,11 @@ def worker_options(options: ServeOptions, index: int) -> ServeOptions:
 
 def run_all(options: ServeOptions, info: ServerInfo, log: Callable[[str], None]) -> None:
     """A gateway here and `--workers` worker processes, each on its own port after the gateway's; with
-    `variants`, the workers take the targets in turn and answer to the name of the model they were built from."""
+    `variants`, each worker holds every build (or the workers take them in turn: `worker_variants` one), answering
+    to the name of the model they were built from."""
     check_redis(_redis_url(options))
     targets = (options.target or "", *options.variants)
-    if options.workers < len(targets):
+    if options.worker_variants == "one" and options.workers < len(targets):
         raise QpackError(
             f"`workers` {options.workers} cannot serve {len(targets)} variants; give one each at least"
         )

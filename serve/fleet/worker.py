@@ -56,6 +56,7 @@ class WorkerConfig:
     content_hash: str
     variant: str = ""  # its build, when the model has several (default: the model's name)
     kl: float = 0.0  # that build's measured next-token KL against the reference
+    host: str = ""  # the process it computes in, shared with the workers of its other builds there
     worker_id: str = field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
@@ -92,6 +93,7 @@ class FleetWorker:
         self.variant = config.variant or config.name
         self.shared = P.model_stream(self.variant)
         self.knobs_version = ""
+        self.patience = 0.0  # seconds a top-tier prompt waits here before a co-hosted cheaper build gives way
         self.capacity = engine.config.max_num_seqs + engine.config.max_queue // 4
         self.inflight: dict[str, _InFlight] = {}
         self.claimed = 0
@@ -173,6 +175,8 @@ class FleetWorker:
             load.served,
             load.served_tokens,
             load.oldest,
+            load.queued,
+            self.config.host or self.config.worker_id,
         )
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(P.worker_key(self.config.worker_id), mapping=info.fields())
@@ -194,10 +198,12 @@ class FleetWorker:
                 float(data.get("admission_wait", 0.0)),
                 int(data.get("top_tier_tokens", 0)),
             )
+            patience = max(0.0, float(data.get("patience", 0.0)))
         except (KeyError, ValueError) as exc:
             _log.warning("fleet worker: ignoring malformed knobs %s (%s)", data, exc)
             return
         self.engine.configure(knobs)
+        self.patience = patience
         self.knobs_version = data.get("version", "")
 
     # ------------------------------------------------------------------ taking work

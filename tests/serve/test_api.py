@@ -51,11 +51,11 @@ def test_a_fleet_workers_metrics_ask_for_the_key_too(tiny_llama: Path) -> None:
     from serve.fleet.run import worker_app
 
     worker = SimpleNamespace(engine=make_engine(tiny_llama), claimed=0)
-    client = TestClient(worker_app(worker, "scrape-secret"))  # type: ignore[arg-type]
+    client = TestClient(worker_app([worker], "scrape-secret"))  # type: ignore[list-item]
     assert client.get("/metrics").status_code == 401
     answer = client.get("/metrics", headers={"Authorization": "Bearer scrape-secret"})
     assert answer.status_code == 200 and "qpack_fleet_claims_total 0" in answer.text
-    assert TestClient(worker_app(worker)).get("/metrics").status_code == 200  # type: ignore[arg-type]
+    assert TestClient(worker_app([worker])).get("/metrics").status_code == 200  # type: ignore[list-item]
 
 
 def sse_events(response: httpx.Response) -> list[dict]:

@@ -13,15 +13,18 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 
 from serve.control.controller import ControlConfig, Knobs
 from serve.engine import EngineConfig
 from serve.fleet import protocol as P
 from serve.fleet.local_redis import LocalRedis
+from serve.fleet.run import host_workers
 from serve.fleet.worker import FleetWorker, WorkerConfig
 from serve.loading import build_engine, load_for_serving
 from serve.openai import ServerInfo
+from serve.options import ServeOptions
 from serve.tenancy.tenants import TenantsSource
 from tests.serve.test_fleet import gateway, live_workers, local_redis, wait_for
 from tests.serve.test_surge_api import TENANTS, A, B, builds
@@ -29,8 +32,7 @@ from tests.serve.test_surge_api import TENANTS, A, B, builds
 __all__ = ["builds", "local_redis"]  # fixtures, used by name
 
 
-@contextmanager
-def build_worker(path: Path, url: str) -> Iterator[FleetWorker]:
+def build_worker(path: Path, url: str) -> FleetWorker:
     loaded = load_for_serving(str(path))
     engine = build_engine(
         loaded,
@@ -39,19 +41,43 @@ def build_worker(path: Path, url: str) -> Iterator[FleetWorker]:
         ),
     )
     config = WorkerConfig(url, "tiny", loaded.version, loaded.content_hash, variant=loaded.name, kl=loaded.kl)
-    fleet_worker = FleetWorker(engine, config)
+    return FleetWorker(engine, config)
+
+
+def one_process_both_builds(builds: dict[str, Path], url: str) -> list[FleetWorker]:
+    """What `qpack serve int8 int4 --role all` starts in each worker process (`--worker-variants all`)."""
+    options = ServeOptions(
+        str(builds["tiny-int8"]),
+        variants=(str(builds["tiny-int4"]),),
+        model_name="tiny",
+        kv_memory="16MB",
+        block_size=4,
+        max_model_len=256,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        redis=url,
+        role="worker",
+    )
+    return host_workers(options, url, lambda _message: None)
+
+
+@contextmanager
+def running(workers: list[FleetWorker]) -> Iterator[list[FleetWorker]]:
     stop = threading.Event()
-    thread = threading.Thread(target=fleet_worker.run, args=(stop,), daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in workers]
+    for thread in threads:
+        thread.start()
     try:
-        yield fleet_worker
+        yield workers
     finally:
         stop.set()
-        thread.join(timeout=30)
+        for thread in threads:
+            thread.join(timeout=30)
 
 
+@pytest.mark.parametrize("layout", ["a build each", "both builds in one process"])
 def test_the_gateway_routes_builds_by_tier_and_load_and_its_knobs_reach_the_workers(
-    builds: dict[str, Path], local_redis: LocalRedis, tmp_path: Path
+    builds: dict[str, Path], local_redis: LocalRedis, tmp_path: Path, layout: str
 ) -> None:
     path = tmp_path / "tenants.toml"
     path.write_text(TENANTS)
@@ -60,9 +86,12 @@ def test_the_gateway_routes_builds_by_tier_and_load_and_its_knobs_reach_the_work
     )
     info = ServerInfo("fleet", "", TenantsSource(path), request_timeout=120, control=control)
     body = {"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    if layout == "a build each":
+        workers = [build_worker(builds[name], local_redis.url) for name in ("tiny-int8", "tiny-int4")]
+    else:
+        workers = one_process_both_builds(builds, local_redis.url)
     with (
-        build_worker(builds["tiny-int8"], local_redis.url) as accurate,
-        build_worker(builds["tiny-int4"], local_redis.url) as cheap,
+        running(workers) as (accurate, cheap),
         gateway(local_redis.url, info=info, request_timeout=120) as base,
     ):
         wait_for(lambda: live_workers(base) == 2, what="both workers' heartbeats")
@@ -114,5 +143,35 @@ def test_the_gateway_routes_builds_by_tier_and_load_and_its_knobs_reach_the_work
     assert any(r.status_code == 429 and r.json()["error"]["code"] == "overloaded" for r in answers["free"])
     assert knobs and int(knobs[b"max_num_seqs"]) in (1, 2)
     assert accurate.knobs_version and cheap.knobs_version  # both took up the controller's knobs
+    assert float(knobs[b"patience"]) == accurate.patience == 5.0  # a quarter of the top tier's 20 s target
+    if layout != "a build each":
+        assert accurate.config.host == cheap.config.host and accurate.engine is not cheap.engine
+        assert cheap.engine.defer_to is not None  # the cheaper build gives way to a late top-tier prompt
     assert 'qpack_fleet_slo_requests_total{outcome="shed",tier="free"}' in metrics
     assert 'qpack_fleet_control_decisions_total{kind="route"}' in metrics
+
+
+def test_the_fleet_pools_capacity_only_when_every_worker_process_holds_every_build(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from serve.fleet.control import FleetControl, cohosted
+    from serve.metrics import ControlMetrics
+
+    def worker(worker_id: str, build: str, host: str) -> P.WorkerInfo:
+        kl = 0.001 if build == "tiny-int8" else 0.02
+        return P.WorkerInfo(worker_id, "tiny", "1", "hash", 4, 0, 0.0, variant=build, kl=kl, host=host)
+
+    both = [worker(f"w{i}", b, f"p{i // 2}") for i, b in enumerate(["tiny-int8", "tiny-int4"] * 2)]
+    each = [worker("w0", "tiny-int8", "p0"), worker("w1", "tiny-int4", "p1")]
+    mixed = [*both, worker("w9", "tiny-int8", "p9")]
+    assert cohosted(both) and not cohosted(each) and not cohosted(mixed)
+    assert not cohosted([worker("w0", "tiny-int8", "p0")])  # one build: nothing to pool
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    control = FleetControl(
+        None, ControlConfig(), TenantsSource(path), ControlMetrics(CollectorRegistry(), "t")
+    )
+    for workers, pooled in ((each, False), (both, True), (mixed, False)):
+        loop = control.loop_for("tiny", workers)
+        assert loop.controller is not None and loop.controller.config.pooled is pooled
+        assert list(loop.controller.groups) == (["pool"] if pooled else ["tiny-int8", "tiny-int4"])
