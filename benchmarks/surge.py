@@ -16,8 +16,8 @@ without precision routing, on one server or a fleet, in one sitting.
    (b) a static throughput configuration (`--max-num-seqs 32`), (c1) (b) with a batching window of the
    average latency x 1.5, (c2) (b) with a window of the average processing time / 2 (the design's two static
    rules, from step 1's measurements), (d) `--control`, (e) `--control` with `--variant` served beside (on a
-   fleet every worker process holds both builds), (e1) on a fleet, (e) with the workers taking the builds in
-   turn (`--worker-variants one`).
+   fleet the workers take the builds in turn), (e2) on a fleet, (e) with every worker process holding both
+   builds (`--worker-variants all`).
 4. **Per run and tier**: SLO attainment (met / served, and met / all that asked), goodput (met requests a
    second), shed (429 from the controller), refused (429 queue full), lost (no answer: errors, timeouts), TTFT
    p50/p95/p99, TPOT p50/p95; tokens a second overall and during the surge; the share each variant served and
@@ -36,6 +36,7 @@ import itertools
 import json
 import math
 import random
+import re
 import sys
 import threading
 import time
@@ -208,6 +209,7 @@ def watch(url: str, stop: threading.Event, samples: list[Sample], t0: float) -> 
             for line in text.splitlines():
                 if line.startswith(wanted):
                     name, _, value = line.rpartition(" ")
+                    name = re.sub(r'model="[^"]*",?', "", name).replace("{}", "")  # a gateway's one model
                     try:
                         sample.values[name] = sample.values.get(name, 0.0) + float(value)
                     except ValueError:
@@ -498,14 +500,14 @@ def _configs(measured: dict[str, float], variant: str | None, capacity: float) -
             f"{capacity:.3f}",
             *([variant] if variant else []),
         ],
-        "e1": [  # (e) on a fleet whose workers take the builds in turn instead of each holding both
+        "e2": [  # (e) on a fleet whose worker processes each hold both builds
             *throughput,
             "--control",
             "--control-capacity",
             f"{capacity:.3f}",
             *([variant] if variant else []),
             "--worker-variants",
-            "one",
+            "all",
         ],
     }
 
@@ -572,7 +574,7 @@ def main() -> None:
             )
             run_args = [args.artifact, *common, "--tenants", str(tenants), *fleet, *extra]
             print(f"run {name}: {' '.join(run_args)}", flush=True)
-            engines = args.workers * (2 if name == "e" and args.variant else 1)  # e: both builds each
+            engines = args.workers * (2 if name == "e2" and args.variant else 1)  # e2: both builds each
             result = run_one(name, run_args, arrivals, requests, out, engines if args.fleet else 0)
             (out / f"run-{name}.json").write_text(json.dumps(result))
             summary = summarize(result["outcomes"], slo, (phases[0], phases[2]), kl)

@@ -53,29 +53,43 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def port_in_use(host: str, port: int) -> bool:
-    """Whether `port` on `host` cannot be bound now (a listener, or a connection's local end, holds it)."""
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
+def bound_socket(host: str, port: int) -> socket.socket | None:
+    """A TCP socket bound to `port` on `host` (0: any free port), held until the server listens on it; None when
+    something holds the port (a listener, or a connection's local end)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 class BackgroundServer:
     """A server on a thread: `with BackgroundServer(engine, info) as url: ...`, or any app with
-    `state.start_draining`: `BackgroundServer(app)`."""
+    `state.start_draining`: `BackgroundServer(app)`. It binds its port when made and keeps it (no window for
+    another process to take it before it listens); a taken `port` is an `OSError`, or with `any_port` a free
+    port instead (`self.port` says which)."""
 
     def __init__(
-        self, app: Any, info: ServerInfo | None = None, port: int | None = None, host: str = "127.0.0.1"
+        self,
+        app: Any,
+        info: ServerInfo | None = None,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        any_port: bool = False,
     ) -> None:
         import uvicorn
 
         self.app = create_app(app, info) if isinstance(app, Engine | Variants) and info is not None else app
-        self.port = port or free_port()
+        sock = bound_socket(host, port or 0) or (bound_socket(host, 0) if any_port else None)
+        if sock is None:
+            raise OSError(f"port {port} on {host} is in use; free it or choose another port")
+        self.socket = sock
+        self.port = int(sock.getsockname()[1])
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
 
     @property
     def url(self) -> str:
@@ -94,3 +108,4 @@ class BackgroundServer:
         self.app.state.start_draining()
         self.server.should_exit = True
         self.thread.join(timeout=60)
+        self.socket.close()

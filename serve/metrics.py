@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -56,59 +58,106 @@ class TenantMetrics:
         self.reloads.labels("ok" if ok else "failed").inc()
 
 
+class Scoped:
+    """A metric seen through its leading labels already set (a gateway's `model`): `.labels(...)` takes the rest,
+    `.set`/`.inc` act on the scope's own series."""
+
+    def __init__(self, metric: Gauge | Counter, scope: tuple[str, ...]) -> None:
+        self.metric, self.scope = metric, scope
+
+    def labels(self, *values: str) -> Any:
+        return self.metric.labels(*self.scope, *values)
+
+    def set(self, value: float) -> None:
+        (self.metric.labels(*self.scope) if self.scope else self.metric).set(value)  # type: ignore[union-attr]
+
+
 class ControlMetrics:
     """The surge controller and the tiers' promises (`prefix` as for `TenantMetrics`): per tier, SLO attainment
     and goodput over the ledger's window and every outcome counted; the controller's mode, forecast, capacity,
-    knobs and shed level; every decision it changed, by kind; requests per variant and tier."""
+    knobs and shed level; every decision it changed, by kind; requests per variant and tier. A gateway runs a
+    controller per model: made with `per="model"`, each model's loop writes through `for_(model)`, its own
+    series of every metric."""
 
-    def __init__(self, r: CollectorRegistry, prefix: str) -> None:
-        self.attainment = Gauge(
-            f"{prefix}_slo_attainment",
-            "Share of served requests that met their tier's SLO (window)",
-            ["tier"],
-            registry=r,
+    def __init__(self, r: CollectorRegistry, prefix: str, per: str | None = None) -> None:
+        scope = [per] if per else []
+        self.families: dict[str, Gauge | Counter] = {
+            "attainment": Gauge(
+                f"{prefix}_slo_attainment",
+                "Share of served requests that met their tier's SLO (window)",
+                [*scope, "tier"],
+                registry=r,
+            ),
+            "goodput": Gauge(
+                f"{prefix}_goodput",
+                "Requests per second that met their tier's SLO (window)",
+                [*scope, "tier"],
+                registry=r,
+            ),
+            "outcomes": Counter(
+                f"{prefix}_slo_requests",
+                "Requests by tier and outcome: met, missed, shed",
+                [*scope, "tier", "outcome"],
+                registry=r,
+            ),
+            "mode": Gauge(
+                f"{prefix}_control_mode", "1 for the controller's current mode", [*scope, "mode"], registry=r
+            ),
+            "forecast": Gauge(
+                f"{prefix}_control_forecast_rps", "Arrivals/s forecast over the horizon", scope, registry=r
+            ),
+            "capacity": Gauge(
+                f"{prefix}_control_capacity_rps", "Requests/s finished at full load", scope, registry=r
+            ),
+            "shed_from": Gauge(
+                f"{prefix}_control_shed_from_rank",
+                "The tier of this rank is shed (its shed share), every lower one refused (-1: none)",
+                scope,
+                registry=r,
+            ),
+            "shed_share": Gauge(
+                f"{prefix}_control_shed_share",
+                "The share of the shed tier's requests refused (0: none)",
+                scope,
+                registry=r,
+            ),
+            "knobs": Gauge(
+                f"{prefix}_control_knob", "The scheduler knobs in force", [*scope, "knob"], registry=r
+            ),
+            "decisions": Counter(
+                f"{prefix}_control_decisions",
+                "Decisions that changed something, by kind",
+                [*scope, "kind"],
+                registry=r,
+            ),
+            "variant_requests": Counter(
+                f"{prefix}_variant_requests",
+                "Requests routed per variant and tier",
+                [*scope, "variant", "tier"],
+                registry=r,
+            ),
+        }
+        self.per = per
+        self._bind(())
+
+    def _bind(self, scope: tuple[str, ...]) -> None:
+        views = {name: Scoped(metric, scope) for name, metric in self.families.items()}
+        self.attainment, self.goodput, self.outcomes = (
+            views["attainment"],
+            views["goodput"],
+            views["outcomes"],
         )
-        self.goodput = Gauge(
-            f"{prefix}_goodput",
-            "Requests per second that met their tier's SLO (window)",
-            ["tier"],
-            registry=r,
-        )
-        self.outcomes = Counter(
-            f"{prefix}_slo_requests",
-            "Requests by tier and outcome: met, missed, shed",
-            ["tier", "outcome"],
-            registry=r,
-        )
-        self.mode = Gauge(
-            f"{prefix}_control_mode", "1 for the controller's current mode", ["mode"], registry=r
-        )
-        self.forecast = Gauge(
-            f"{prefix}_control_forecast_rps", "Arrivals/s forecast over the horizon", registry=r
-        )
-        self.capacity = Gauge(
-            f"{prefix}_control_capacity_rps", "Requests/s finished at full load", registry=r
-        )
-        self.shed_from = Gauge(
-            f"{prefix}_control_shed_from_rank",
-            "The tier of this rank is shed (its shed share), every lower one refused (-1: none)",
-            registry=r,
-        )
-        self.shed_share = Gauge(
-            f"{prefix}_control_shed_share",
-            "The share of the shed tier's requests refused (0: none)",
-            registry=r,
-        )
-        self.knobs = Gauge(f"{prefix}_control_knob", "The scheduler knobs in force", ["knob"], registry=r)
-        self.decisions = Counter(
-            f"{prefix}_control_decisions", "Decisions that changed something, by kind", ["kind"], registry=r
-        )
-        self.variant_requests = Counter(
-            f"{prefix}_variant_requests",
-            "Requests routed per variant and tier",
-            ["variant", "tier"],
-            registry=r,
-        )
+        self.mode, self.forecast, self.capacity = views["mode"], views["forecast"], views["capacity"]
+        self.shed_from, self.shed_share = views["shed_from"], views["shed_share"]
+        self.knobs, self.decisions = views["knobs"], views["decisions"]
+        self.variant_requests = views["variant_requests"]
+
+    def for_(self, value: str) -> ControlMetrics:
+        """The series of one `per` value (a model), sharing these metrics."""
+        assert self.per is not None, "only metrics made with `per` have series per value"
+        bound = copy.copy(self)
+        bound._bind((value,))
+        return bound
 
 
 class Metrics:

@@ -8,8 +8,8 @@ and the fleet gateway from Redis and its workers' heartbeats.
 Each tick:
 1. **Forecast** each tier's arrival rate over the next `horizon` seconds (`forecast.Holt`, chosen by measurement).
 2. **Capacity**: the requests a second each variant (or the pool of variants sharing a machine) can finish: the
-   tokens it computes a second while busy (requests waiting, or every seat taken; the last `capacity_window`
-   seconds of busy time) over the tokens a recent request cost; until measured it is `capacity`, the operator's
+   tokens it computes a second while saturated (requests queued for a seat, or every seat taken; the last
+   `capacity_window` seconds of such time) over the tokens a recent request cost; until measured it is `capacity`, the operator's
    figure (`qpack bench serve` measures it) when given, else unknown, and nothing is routed or shed on a guess.
 3. **Mode**, with hysteresis: throughput (a larger batch, a larger prefill budget) as soon as the forecast load
    passes `rise` of capacity for two ticks while the arrivals counted over the last seconds confirm it (as
@@ -192,14 +192,13 @@ class Capacity:
     the last `window` seconds of busy ticks) over the tokens a request costs (prompt and output, over the last
     `requests` served). Tokens, not completions: a batch that has just filled computes at full rate at once,
     while its first completions come a whole request's duration later. Until both are measured: the hint; after,
-    never under it. "Busy" (a request waiting, seated ones still in prefill included) does not mean saturated:
-    a base load keeps an engine busy at a fraction of its rate, and once shedding admits what the estimate says
-    fits, nothing ever shows it more. Measured on a two-worker fleet (its base phase taught 0.7 requests/s
-    against a full-load 1.6 to 2.3): the surge's standard tier was refused nine times in ten (goodput 0.79
-    requests/s, against 1.63 with all-or-nothing refusals, which overload the workers and so measure them). The
-    operator's figure (`--control-capacity`, which `qpack bench serve` measures at full load) is the floor, and
-    a shed tier is admitted a `probe` past what the estimate leaves it: the queue that builds if the estimate
-    was right is drained by the shed share's queue term, and if it was low the busy ticks measure more."""
+    never under it. Only saturated ticks count (`Controller._learn_capacity`): a base load keeps an engine busy
+    with seated prompts at a fraction of its rate, and counting those taught a two-worker fleet 0.7 requests/s
+    against a full-load 1.6 to 2.3 (the surge's standard tier was then refused nine times in ten). Once shedding
+    admits what the estimate says fits, nothing shows it more, so the operator's figure (`--control-capacity`,
+    which `qpack bench serve` measures at full load) is the floor, and a shed tier is admitted a `probe` past
+    what the estimate leaves it: the queue that builds if the estimate was right is drained by the shed share's
+    queue term, and if it was low the saturated ticks measure more."""
 
     window: float
     hint: float | None = None

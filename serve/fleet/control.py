@@ -56,7 +56,12 @@ class FleetControl:
             controller = Controller(grouped, policies(tiers), [Variant(name, kl) for name, kl in builds])
         state = _Model(
             ControlLoop(
-                tiers, [name for name, _kl in builds], lambda: {}, lambda _d: None, self.metrics, controller
+                tiers,
+                [name for name, _kl in builds],
+                lambda: {},
+                lambda _d: None,
+                self.metrics.for_(model) if self.metrics.per else self.metrics,
+                controller,
             ),
             builds,
             pooled,

@@ -95,7 +95,7 @@ class Gateway:
             self.redis,
             config.info.control,
             config.info.tenants,
-            ControlMetrics(self.metrics.registry, "qpack_fleet"),
+            ControlMetrics(self.metrics.registry, "qpack_fleet", per="model"),
         )
         self._workers: tuple[float, list[P.WorkerInfo]] = (0.0, [])
         self._depth: dict[str, tuple[float, int, int]] = {}

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from quantize.common.errors import QpackError
 from serve.fleet.gateway import Gateway, GatewayConfig, create_gateway_app
 from serve.fleet.worker import FleetWorker, WorkerConfig
-from serve.http import BackgroundServer, free_port, port_in_use, serve_app
+from serve.http import BackgroundServer, serve_app
 from serve.loading import reference_name, start_engine, start_variants
 from serve.metrics import Labelled
 from serve.metrics import render as render_metrics
@@ -71,17 +71,17 @@ def run_worker(options: ServeOptions, log: Callable[[str], None]) -> None:
     signal.signal(  # a reload sent to every `qpack serve` process must not end the workers
         signal.SIGHUP, lambda *_args: log("fleet worker: nothing to reload (tenants are the gateway's)")
     )
-    port = worker_port(options.host, options.port, log)
+    server = worker_server(worker_app(workers, options.metrics_key), options.host, options.port, log)
     for worker in workers:
         log(
             f"qpack fleet worker {worker.config.worker_id}: {worker.variant} v{worker.config.version} "
-            f"(queue: {url}, port {port})"
+            f"(queue: {url}, port {server.port})"
         )
     threads = [
         threading.Thread(target=worker.run, args=(stop,), name=f"qpack-worker-{worker.variant}")
         for worker in workers[1:]
     ]
-    with BackgroundServer(worker_app(workers, options.metrics_key), port=port, host=options.host):
+    with server:
         for thread in threads:
             thread.start()
         workers[0].run(stop)
@@ -91,9 +91,10 @@ def run_worker(options: ServeOptions, log: Callable[[str], None]) -> None:
 
 def host_workers(options: ServeOptions, url: str, log: Callable[[str], None]) -> list[FleetWorker]:
     """This process's workers: one for `target`, or with `variants` one per build, most accurate first, sharing
-    this process's cores (one `host`), so routing a tier to the cheaper build adds to the accurate build's
-    capacity instead of taking a worker from it. The cheaper builds give way to a late top-tier prompt of the
-    accurate one (`prioritize`, with the patience the gateway publishes)."""
+    this process's cores (one `host`, so the gateway pools their capacity): routing a tier to the cheaper build
+    then adds to the accurate build's capacity instead of taking a worker from it, but their steps slow each
+    other. The cheaper builds give way to a late top-tier prompt of the accurate one (`prioritize`, with the
+    patience the gateway publishes)."""
 
     def config(name: str, variant: str, version: str, content_hash: str, kl: float) -> WorkerConfig:
         return WorkerConfig(
@@ -123,14 +124,14 @@ def host_workers(options: ServeOptions, url: str, log: Callable[[str], None]) ->
     return workers
 
 
-def worker_port(host: str, port: int, log: Callable[[str], None]) -> int:
-    """`port`, or a free one (said in the log) when something holds it: a worker's HTTP face is only its /health
-    and /metrics, so a taken port must not keep it from serving the queue."""
-    if not port_in_use(host, port):
-        return port
-    chosen = free_port()
-    log(f"fleet worker: port {port} is in use; /health and /metrics on port {chosen} instead")
-    return chosen
+def worker_server(app: FastAPI, host: str, port: int, log: Callable[[str], None]) -> BackgroundServer:
+    """The worker's HTTP face on `port`, or on a free one (said in the log) when something holds it: it is only
+    /health and /metrics, so a taken port must not keep it from serving the queue. The port is bound here and
+    held, so nothing can take it between the check and the listen."""
+    server = BackgroundServer(app, port=port, host=host, any_port=True)
+    if server.port != port:
+        log(f"fleet worker: port {port} is in use; /health and /metrics on port {server.port} instead")
+    return server
 
 
 def worker_app(workers: list[FleetWorker], metrics_key: str | None = None) -> FastAPI:
@@ -173,9 +174,9 @@ def worker_app(workers: list[FleetWorker], metrics_key: str | None = None) -> Fa
 
 
 def worker_options(options: ServeOptions, index: int) -> ServeOptions:
-    """The options of a `--role all` gateway's INDEX-th worker: the same engine limits, every target (or with
-    `worker_variants` one, the targets in turn; with `variants`, under the name of the model they were built
-    from), its own port after the gateway's, one thread
+    """The options of a `--role all` gateway's INDEX-th worker: the same engine limits, the targets in turn (or
+    every one, `worker_variants` all; with `variants`, under the name of the model they were built from), its
+    own port after the gateway's, one thread
     unless --threads says otherwise, its /health and /metrics on loopback, and no API keys or tenants (a worker
     serves no API and trusts the gateway's stamp; its options travel on a command line, so the metrics key
     travels in its environment, `QPACK_METRICS_KEY`, out of `ps`). The ports after the
@@ -201,7 +202,7 @@ def worker_options(options: ServeOptions, index: int) -> ServeOptions:
 
 def run_all(options: ServeOptions, info: ServerInfo, log: Callable[[str], None]) -> None:
     """A gateway here and `--workers` worker processes, each on its own port after the gateway's; with
-    `variants`, each worker holds every build (or the workers take them in turn: `worker_variants` one), answering
+    `variants`, the workers take the builds in turn (or each holds every build: `worker_variants` all), answering
     to the name of the model they were built from."""
     check_redis(_redis_url(options))
     targets = (options.target or "", *options.variants)

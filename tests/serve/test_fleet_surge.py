@@ -147,8 +147,8 @@ def test_the_gateway_routes_builds_by_tier_and_load_and_its_knobs_reach_the_work
     if layout != "a build each":
         assert accurate.config.host == cheap.config.host and accurate.engine is not cheap.engine
         assert cheap.engine.defer_to is not None  # the cheaper build gives way to a late top-tier prompt
-    assert 'qpack_fleet_slo_requests_total{outcome="shed",tier="free"}' in metrics
-    assert 'qpack_fleet_control_decisions_total{kind="route"}' in metrics
+    assert 'qpack_fleet_slo_requests_total{model="tiny",outcome="shed",tier="free"}' in metrics
+    assert 'qpack_fleet_control_decisions_total{kind="route",model="tiny"}' in metrics
 
 
 def test_the_fleet_pools_capacity_only_when_every_worker_process_holds_every_build(tmp_path: Path) -> None:
@@ -175,3 +175,31 @@ def test_the_fleet_pools_capacity_only_when_every_worker_process_holds_every_bui
         loop = control.loop_for("tiny", workers)
         assert loop.controller is not None and loop.controller.config.pooled is pooled
         assert list(loop.controller.groups) == (["pool"] if pooled else ["tiny-int8", "tiny-int4"])
+
+
+def test_a_gateway_reports_each_models_controller_apart(tmp_path: Path) -> None:
+    """Two models behind one gateway: each model's loop writes its own series (`model` label), never the
+    other's (before, both wrote one unlabelled gauge, so /metrics showed whichever ticked last)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from serve.fleet.control import FleetControl
+    from serve.metrics import ControlMetrics
+    from serve.tenancy.tenants import Caller
+
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    registry = CollectorRegistry()
+    control = FleetControl(
+        None, ControlConfig(capacity=3.0), TenantsSource(path), ControlMetrics(registry, "t", per="model")
+    )
+    for model, build in (("tiny", "tiny-int8"), ("other", "other-int8")):
+        info = P.WorkerInfo("w-" + model, model, "1", "hash", 4, 0, 0.0, variant=build, kl=0.001, host=model)
+        loop = control.loop_for(model, [info])
+        loop.shed(Caller(tier="free", tier_rank=2))
+        loop.tick()
+    loop.shed(Caller(tier="free", tier_rank=2))  # a second refusal, of "other" only
+    text = generate_latest(registry).decode()
+    assert 't_slo_requests_total{model="tiny",outcome="shed",tier="free"} 1.0' in text
+    assert 't_slo_requests_total{model="other",outcome="shed",tier="free"} 2.0' in text
+    assert 't_control_capacity_rps{model="tiny"} 3.0' in text
+    assert 't_control_capacity_rps{model="other"} 3.0' in text

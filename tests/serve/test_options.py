@@ -3,16 +3,18 @@ process's own entry point refusing what it cannot run in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from quantize.common.errors import QpackError
-from serve.fleet.run import worker_options, worker_port
-from serve.http import free_port
+from serve.fleet.run import worker_options, worker_server
+from serve.http import BackgroundServer, free_port
 from serve.options import ServeOptions
 
 
@@ -80,9 +82,10 @@ def test_the_worker_process_refuses_in_one_line(argument: str, expected: str) ->
     assert run.returncode == 2 and len(lines) == 1 and expected in lines[0], run.stderr
 
 
-def test_role_all_spreads_its_workers_over_the_variants(tmp_path: Path) -> None:
-    """`qpack serve A B --role all --workers 3`: the workers take the builds in turn, each answering to the
-    name of the model they were built from (read from A's manifest, no weights loaded)."""
+def test_role_all_gives_every_worker_every_build_or_the_builds_in_turn(tmp_path: Path) -> None:
+    """`qpack serve A B --role all --workers 3`: the workers take the builds in turn (`--worker-variants all`:
+    every worker holds both), each answering to the name of the model they were built from (read from A's
+    manifest, no weights loaded)."""
     import json
 
     builds = []
@@ -94,24 +97,45 @@ def test_role_all_spreads_its_workers_over_the_variants(tmp_path: Path) -> None:
         )
         builds.append(str(folder))
     options = ServeOptions(builds[0], variants=(builds[1],), role="all", workers=3, redis="redis://x/0")
-    workers = [worker_options(options, i) for i in range(3)]
-    assert [w.target for w in workers] == [builds[0], builds[1], builds[0]]
-    assert {w.model_name for w in workers} == {"base-model"} and all(w.variants == () for w in workers)
+    together = [worker_options(dataclasses.replace(options, worker_variants="all"), i) for i in range(3)]
+    assert all((w.target, w.variants, w.role) == (builds[0], (builds[1],), "worker") for w in together)
+    assert {w.model_name for w in together} == {"base-model"}
+    for w in together:
+        w.validate()
+    in_turn = [worker_options(options, i) for i in range(3)]
+    assert [w.target for w in in_turn] == [builds[0], builds[1], builds[0]]
+    assert {w.model_name for w in in_turn} == {"base-model"} and all(w.variants == () for w in in_turn)
     single = worker_options(ServeOptions(builds[0], role="all", redis="redis://x/0"), 0)
     assert single.model_name is None  # one build: the artifact's own name, as before
     with pytest.raises(QpackError, match="variants"):
-        ServeOptions(builds[0], variants=(builds[1],), role="worker", redis="redis://x/0").validate()
+        ServeOptions(builds[0], variants=(builds[1],), role="gateway", redis="redis://x/0").validate()
+    with pytest.raises(QpackError, match="worker_variants"):
+        dataclasses.replace(options, worker_variants="some").validate()
 
 
 def test_a_worker_whose_port_is_taken_serves_its_health_on_a_free_one() -> None:
-    """`--role all` gives workers the ports after the gateway's, where a loopback client's connection may sit."""
+    """`--role all` gives workers the ports after the gateway's, where a loopback client's connection may sit;
+    the port chosen is bound at once and held (no window for another process to take it)."""
+    from fastapi import FastAPI
+
     said: list[str] = []
+    app = FastAPI()
+    app.state.start_draining = lambda: None
     port = free_port()
-    assert worker_port("127.0.0.1", port, said.append) == port and said == []
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", port))
         holder.listen()
-        chosen = worker_port("127.0.0.1", port, said.append)
-    assert chosen != port and said == [
-        f"fleet worker: port {port} is in use; /health and /metrics on port {chosen} instead"
+        server = worker_server(app, "127.0.0.1", port, said.append)
+        with pytest.raises(OSError, match=f"port {port} on 127.0.0.1 is in use"):
+            BackgroundServer(app, port=port)
+    assert server.port != port and said == [
+        f"fleet worker: port {port} is in use; /health and /metrics on port {server.port} instead"
     ]
+    with socket.socket() as late, pytest.raises(OSError):  # held from the moment it was chosen
+        late.bind(("127.0.0.1", server.port))
+    with server as url:
+        assert httpx.get(f"{url}/docs", timeout=5).status_code == 200
+    free = worker_server(app, "127.0.0.1", port, said.append)
+    assert free.port == port and len(said) == 1
+    with free:
+        pass
