@@ -312,14 +312,15 @@ class Worker:
 
 
 def run_decode_bench(config: DecodeConfig, progress: Any = None) -> dict[str, Any]:
-    from qpack.bench.sysinfo import machine_info, memory_bandwidth_gbs
+    from qpack.bench.sysinfo import machine_info, measure_bandwidth
     from quantize.io.artifact import read_manifest
 
     config.validate()
     manifest = read_manifest(config.artifact)
     reference = config.reference or manifest["source"]["model_id"]
     max_len = config.prompt_tokens + config.new_tokens
-    bandwidth = memory_bandwidth_gbs()
+    probe = measure_bandwidth()
+    bandwidth = probe.median_gbs
     artifact = Worker(
         "artifact", str(config.artifact), max(config.batches), max_len, config.compile, config.prefill_dtype
     )
@@ -366,6 +367,7 @@ def run_decode_bench(config: DecodeConfig, progress: Any = None) -> dict[str, An
         "rows": rows,
         "bound": {
             "bandwidth_gbs": bandwidth,
+            "bandwidth_probe": probe.to_json(),
             "artifact_bytes_per_token": bytes_per_token,
             "reference_bytes_per_token": baseline.info["decode_bytes"],
             "ceiling_tokens_per_s": ceiling,

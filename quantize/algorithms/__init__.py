@@ -35,6 +35,7 @@ from quantize.common.lazy import lazy_exports
 if TYPE_CHECKING:
     from quantize.algorithms.autoround import (
         Rounding,
+        best_tensors,
         init_rounding,
         learn_rounding,
         learned_weight,
@@ -58,6 +59,7 @@ __all__ = [
     "SmoothQuant",
     "algorithm_for",
     "awq_search",
+    "best_tensors",
     "fake_quant",
     "init_rounding",
     "learn_rounding",
@@ -74,6 +76,7 @@ __getattr__ = lazy_exports(
     {
         "awq_search": "quantize.algorithms.awq",
         "Rounding": "quantize.algorithms.autoround",
+        "best_tensors": "quantize.algorithms.autoround",
         "init_rounding": "quantize.algorithms.autoround",
         "learn_rounding": "quantize.algorithms.autoround",
         "learned_weight": "quantize.algorithms.autoround",

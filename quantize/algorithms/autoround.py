@@ -20,7 +20,7 @@ Pure tensor math: the block-by-block walk that supplies the loss is `quantize.se
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,9 @@ class Rounding:
 
     `weight` [N, K]: the weight whose rounding is learned (the original, or GPTQ's result); `low`/`high`
     [N, G]: the range each group's grid spans before clipping (int8: G = 1, `low` unused); `offset` [N, K],
-    `min_scale`/`max_scale` [N, G]: the learned parameters."""
+    `min_scale`/`max_scale` [N, G]: the learned parameters; `best`: the stored tensors of the best step so far
+    (codes and scales: an eighth of the weight's bytes at int4, where a copy of the parameters is a whole
+    weight's)."""
 
     scheme: Scheme
     weight: torch.Tensor
@@ -62,13 +64,7 @@ class Rounding:
         return list(self._named().values())
 
     def keep_best(self) -> None:
-        self.best = {name: t.detach().clone() for name, t in self._named().items()}
-
-    def restore_best(self) -> None:
-        if self.best:
-            with torch.no_grad():
-                for name, t in self._named().items():
-                    t.copy_(self.best[name])
+        self.best = stored_tensors(self)
 
     def _named(self) -> dict[str, torch.Tensor]:
         return {"offset": self.offset, "min_scale": self.min_scale, "max_scale": self.max_scale}
@@ -87,7 +83,7 @@ def init_rounding(scheme: Scheme, original: torch.Tensor, start: torch.Tensor | 
     else:
         high = w.abs().amax(dim=1, keepdim=True)
         low = torch.zeros_like(high)
-    base = (start if start is not None else w).detach().to(torch.float32).clone()
+    base = start.detach().to(torch.float32) if start is not None else w  # only read: no copy
     return Rounding(
         scheme=scheme,
         weight=base,
@@ -167,14 +163,25 @@ class Learned:
         }
 
 
-def learn_rounding(
-    roundings: Mapping[str, Rounding],
-    loss: Callable[[dict[str, torch.Tensor], int], torch.Tensor],
-    settings: AutoRound,
-) -> Learned:
-    """Train every rounding of one block together: `loss(weights, step)` is the block's output error with the
-    given fake-quantized weights on step `step`'s batch. Signed gradient descent, lr decaying linearly to 0, the
-    parameters clamped to their ranges after each step; the best step's parameters are restored at the end.
+def best_tensors(r: Rounding) -> dict[str, torch.Tensor]:
+    """The stored tensors of the best step `learn_rounding` saw (the current parameters' before any)."""
+    return r.best if r.best else stored_tensors(r)
+
+
+BlockLoss = Callable[[dict[str, torch.Tensor], int], Iterable[torch.Tensor]]
+
+
+def learn_rounding(roundings: Mapping[str, Rounding], loss: BlockLoss, settings: AutoRound) -> Learned:
+    """Train every rounding of one block together: `loss(weights, step)` yields the parts (say, one per packed
+    row) of the block's output error with the given fake-quantized weights on step `step`'s batch; their sum is
+    the loss. Signed gradient descent, lr decaying linearly to 0, the parameters clamped to their ranges after
+    each step; `best_tensors` gives the best step's stored tensors at the end.
+
+    The backward runs in two stages, so a step holds one row's activations and one layer's fake-quantization
+    graph at a time instead of every row's and every layer's at once (at Llama-3-8B's widths those graphs are
+    several times the block's 0.9 GB): each part is backpropagated as it comes, to the fake-quantized weights
+    (plain tensors that collect their gradient), then each layer's fake quantization is computed again and
+    backpropagated from that gradient to its parameters.
 
     Step 0's loss (before any update) is the starting method's; a step only counts as best when its loss is
     lower, so the result is never worse than the start on the batches seen."""
@@ -183,26 +190,32 @@ def learn_rounding(
     best_step = 0
     losses: list[float] = []
     for step in range(settings.iters + 1):
-        weights = {name: learned_weight(r) for name, r in roundings.items()}
-        value = loss(weights, step)
-        current = float(value.detach())
+        training = step < settings.iters
+        with torch.no_grad():
+            weights = {name: learned_weight(r).requires_grad_(training) for name, r in roundings.items()}
+        current = 0.0
+        for part in loss(weights, step):
+            current += float(part.detach())
+            if training:
+                part.backward()
         losses.append(current)
         if current < best:
             best, best_step = current, step
             for r in roundings.values():
                 r.keep_best()
-        if step == settings.iters:
+        if not training:
             break
-        for r in roundings.values():
+        for name, r in roundings.items():
             for p in r.parameters():
                 p.grad = None
-        value.backward()
+            grad = weights.pop(name).grad
+            if grad is not None:
+                learned_weight(r).backward(grad)
+            del grad
         rate = lr * (1.0 - step / settings.iters)
         with torch.no_grad():
             for r in roundings.values():
                 _signed_step(r, rate)
-    for r in roundings.values():
-        r.restore_best()
     return Learned(losses[0], best, best_step, settings.iters, losses)
 
 

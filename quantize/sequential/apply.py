@@ -21,6 +21,7 @@ kernel numerics), so the final KL/PPL against FP32 needs no second pass and no s
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -318,11 +319,11 @@ def _learn_rounding(
             tuple(t.clone() for t in run.blocks.rope(p, h[:1])) for h, p in zip(hidden, packs, strict=True)
         ]
 
-        def loss(weights: dict[str, torch.Tensor], step: int) -> torch.Tensor:
+        def loss(weights: dict[str, torch.Tensor], step: int) -> Iterator[torch.Tensor]:
             local = {f"{fqn[len(prefix) :]}.weight": w for fqn, w in weights.items()}
-            total = torch.zeros(())
-            norm = 0.0
-            for i in batches[step]:
+            rows = batches[step]
+            norm = max(1.0, sum(float(packs[i].weights.sum()) * hidden[i].shape[-1] for i in rows))
+            for i in rows:
                 pack = packs[i]
                 out = torch.func.functional_call(
                     layer,
@@ -336,9 +337,7 @@ def _learn_rounding(
                 )
                 out = out[0] if isinstance(out, tuple) else out
                 error = (out - targets[i]).pow(2).sum(dim=-1)[0]
-                total = total + (error * pack.weights).sum()
-                norm += float(pack.weights.sum()) * out.shape[-1]
-            return total / max(norm, 1.0)
+                yield (error * pack.weights).sum() / norm
 
         try:
             with torch.enable_grad():
@@ -350,7 +349,7 @@ def _learn_rounding(
     with torch.no_grad():
         for fqn, rounding in roundings.items():
             scheme = rounding.scheme
-            tensors = A.stored_tensors(rounding)
+            tensors = A.best_tensors(rounding)
             linear = get_linear(run.blocks.model, fqn)
             info = {"autoround_init": settings.init, **result.to_info()}
             records[fqn] = QuantizedWeight(scheme, settings.name, tensors, _bias(linear), info)

@@ -15,7 +15,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from qpack.bench.loadgen import BenchRequest, percentile, run_level
-from qpack.bench.sysinfo import machine_info, memory_bandwidth_gbs
+from qpack.bench.sysinfo import (
+    last_level_cache_bytes,
+    machine_info,
+    measure_bandwidth,
+    memory_bandwidth_gbs,
+)
 from serve.http import free_port
 
 
@@ -109,8 +114,13 @@ def test_poisson_mode(stub_url: str) -> None:
 
 
 def test_bandwidth_probe_and_machine_info() -> None:
-    bandwidth = memory_bandwidth_gbs(megabytes=64, repeats=3)
+    bandwidth = memory_bandwidth_gbs(megabytes=64, passes=3)
     assert 0.5 < bandwidth < 2000
+    probe = measure_bandwidth(megabytes=64, passes=5)
+    assert probe.worst_gbs <= probe.median_gbs <= probe.best_gbs and probe.passes == 5
+    assert probe.buffer_mb == 64 and json.dumps(probe.to_json())
+    cache = last_level_cache_bytes()
+    assert cache is None or cache >= 2**16
     info = machine_info()
     assert info["cpu_count"] >= 1 and info["torch_threads"] >= 1 and info["versions"]["torch"]
     json.dumps(info)

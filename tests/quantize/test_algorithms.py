@@ -126,15 +126,19 @@ def test_autoround_lowers_a_layers_output_error_below_rtn(scheme, layer_inputs) 
         target = x @ weight.t()
         rounding = A.init_rounding(scheme, weight)
 
-        def loss(weights: dict[str, torch.Tensor], _step: int, x=x, target=target) -> torch.Tensor:
-            return (x @ weights["w"].t() - target).pow(2).mean()
+        def loss(weights: dict[str, torch.Tensor], _step: int, x=x, target=target) -> list[torch.Tensor]:
+            half = len(x) // 2  # two parts: the loss is their sum, each backpropagated as it comes
+            return [
+                (x[r] @ weights["w"].t() - target[r]).pow(2).sum() / target.numel()
+                for r in (slice(0, half), slice(half, None))
+            ]
 
         result = A.learn_rounding({"w": rounding}, loss, settings)
         assert result.best_loss <= result.initial_loss
         assert float(rounding.offset.detach().abs().max()) <= 0.5
         assert float(rounding.min_scale.detach().min()) >= 0.0
         assert float(rounding.max_scale.detach().max()) <= 1.0
-        learned = handler.dequantize(scheme, A.stored_tensors(rounding))
+        learned = handler.dequantize(scheme, A.best_tensors(rounding))
         rtn = handler.dequantize(scheme, A.quantize_rtn(scheme, weight))
         gptq = handler.dequantize(scheme, A.quantize_gptq(scheme, weight, h))
         errors = {
@@ -145,6 +149,38 @@ def test_autoround_lowers_a_layers_output_error_below_rtn(scheme, layer_inputs) 
             name,
             errors,
         )
+
+
+@pytest.mark.parametrize("scheme", [Int8(), Int4(32)], ids=lambda s: s.label())
+def test_autoround_two_stage_backward_takes_plain_autograds_step(scheme, layer_inputs) -> None:
+    """One step of `learn_rounding` (each part backpropagated to the fake-quantized weights, then each layer's
+    fake quantization again from that gradient) moves the parameters as one plain autograd step through the
+    whole graph does (signs may differ only where a gradient is zero up to rounding)."""
+    weight, x = layer_inputs["model.layers.2.mlp.up_proj"]
+    target = x @ weight.t()
+    halves = (slice(0, len(x) // 2), slice(len(x) // 2, None))
+
+    def parts(w: torch.Tensor) -> list[torch.Tensor]:
+        return [(x[r] @ w.t() - target[r]).pow(2).sum() / target.numel() for r in halves]
+
+    generator = torch.Generator().manual_seed(3)
+    staged, plain = A.init_rounding(scheme, weight), A.init_rounding(scheme, weight)
+    with torch.no_grad():
+        for r in (staged, plain):
+            r.offset.copy_(torch.empty_like(r.offset).uniform_(-0.3, 0.3, generator=generator))
+        plain.offset.copy_(staged.offset)
+    settings = A.AutoRound(iters=1, lr=0.01)
+    A.learn_rounding({"w": staged}, lambda weights, _step: parts(weights["w"]), settings)
+    sum(parts(A.learned_weight(plain))).backward()
+    with torch.no_grad():
+        assert plain.offset.grad is not None and int((plain.offset.grad != 0).sum()) > 0  # the step moves it
+        for p in plain.parameters():
+            if p.grad is not None:  # int8 has no minimum to clip
+                p.sub_(0.01 * torch.sign(p.grad))
+    for name in ("offset", "min_scale", "max_scale"):
+        low, high = (-0.5, 0.5) if name == "offset" else (0.0, 1.0)
+        got, want = getattr(staged, name).detach(), getattr(plain, name).detach().clamp(low, high)
+        assert float((got != want).float().mean()) < 1e-3, name
 
 
 def test_autoround_settings_are_checked_and_round_trip() -> None:

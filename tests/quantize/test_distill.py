@@ -179,3 +179,18 @@ def test_a_held_writer_shards_exactly_as_one_that_never_held(tmp_path: Path) -> 
         for i in range(6)
         if f"m{i}.a" in shard
     )
+
+
+def test_the_student_keeps_its_blocks_only_beside_what_the_run_holds_throughout(tiny_qwen2: Path) -> None:
+    """Kept blocks (twice their FP32 bytes) and the resident embeddings and head must fit in half the limit
+    together (at Llama-3-8B's shape and vocabulary the embeddings and head alone are 3.9 GiB)."""
+    from quantize.distill.run import keep_blocks
+
+    runner = BlockRunner(StreamedModel(tiny_qwen2))
+    streamed = runner.streamed
+    assert streamed is not None
+    blocks = sum(streamed.block_bytes(i) for i in range(runner.num_layers))
+    enough = 2 * (streamed.resident_bytes() + 2 * blocks)
+    assert keep_blocks(runner, enough)
+    assert not keep_blocks(runner, enough - 4)  # blocks alone would still fit in half of it
+    assert 2 * blocks <= 0.5 * (enough - 4)
