@@ -72,6 +72,51 @@ class Scoped:
         (self.metric.labels(*self.scope) if self.scope else self.metric).set(value)  # type: ignore[union-attr]
 
 
+_CONTROL_FAMILIES: tuple[tuple[str, type[Gauge] | type[Counter], str, str, tuple[str, ...]], ...] = (
+    (
+        "attainment",
+        Gauge,
+        "slo_attainment",
+        "Share of served requests that met their tier's SLO (window)",
+        ("tier",),
+    ),
+    ("goodput", Gauge, "goodput", "Requests per second that met their tier's SLO (window)", ("tier",)),
+    (
+        "outcomes",
+        Counter,
+        "slo_requests",
+        "Requests by tier and outcome: met, missed, shed",
+        ("tier", "outcome"),
+    ),
+    ("mode", Gauge, "control_mode", "1 for the controller's current mode", ("mode",)),
+    ("forecast", Gauge, "control_forecast_rps", "Arrivals/s forecast over the horizon", ()),
+    ("capacity", Gauge, "control_capacity_rps", "Requests/s finished at full load", ()),
+    (
+        "shed_from",
+        Gauge,
+        "control_shed_from_rank",
+        "The tier of this rank is shed (its shed share), every lower one refused (-1: none)",
+        (),
+    ),
+    (
+        "shed_share",
+        Gauge,
+        "control_shed_share",
+        "The share of the shed tier's requests refused (0: none)",
+        (),
+    ),
+    ("knobs", Gauge, "control_knob", "The scheduler knobs in force", ("knob",)),
+    ("decisions", Counter, "control_decisions", "Decisions that changed something, by kind", ("kind",)),
+    (
+        "variant_requests",
+        Counter,
+        "variant_requests",
+        "Requests routed per variant and tier",
+        ("variant", "tier"),
+    ),
+)
+
+
 class ControlMetrics:
     """The surge controller and the tiers' promises (`prefix` as for `TenantMetrics`): per tier, SLO attainment
     and goodput over the ledger's window and every outcome counted; the controller's mode, forecast, capacity,
@@ -82,60 +127,8 @@ class ControlMetrics:
     def __init__(self, r: CollectorRegistry, prefix: str, per: str | None = None) -> None:
         scope = [per] if per else []
         self.families: dict[str, Gauge | Counter] = {
-            "attainment": Gauge(
-                f"{prefix}_slo_attainment",
-                "Share of served requests that met their tier's SLO (window)",
-                [*scope, "tier"],
-                registry=r,
-            ),
-            "goodput": Gauge(
-                f"{prefix}_goodput",
-                "Requests per second that met their tier's SLO (window)",
-                [*scope, "tier"],
-                registry=r,
-            ),
-            "outcomes": Counter(
-                f"{prefix}_slo_requests",
-                "Requests by tier and outcome: met, missed, shed",
-                [*scope, "tier", "outcome"],
-                registry=r,
-            ),
-            "mode": Gauge(
-                f"{prefix}_control_mode", "1 for the controller's current mode", [*scope, "mode"], registry=r
-            ),
-            "forecast": Gauge(
-                f"{prefix}_control_forecast_rps", "Arrivals/s forecast over the horizon", scope, registry=r
-            ),
-            "capacity": Gauge(
-                f"{prefix}_control_capacity_rps", "Requests/s finished at full load", scope, registry=r
-            ),
-            "shed_from": Gauge(
-                f"{prefix}_control_shed_from_rank",
-                "The tier of this rank is shed (its shed share), every lower one refused (-1: none)",
-                scope,
-                registry=r,
-            ),
-            "shed_share": Gauge(
-                f"{prefix}_control_shed_share",
-                "The share of the shed tier's requests refused (0: none)",
-                scope,
-                registry=r,
-            ),
-            "knobs": Gauge(
-                f"{prefix}_control_knob", "The scheduler knobs in force", [*scope, "knob"], registry=r
-            ),
-            "decisions": Counter(
-                f"{prefix}_control_decisions",
-                "Decisions that changed something, by kind",
-                [*scope, "kind"],
-                registry=r,
-            ),
-            "variant_requests": Counter(
-                f"{prefix}_variant_requests",
-                "Requests routed per variant and tier",
-                [*scope, "variant", "tier"],
-                registry=r,
-            ),
+            key: kind(f"{prefix}_{name}", documentation, [*scope, *labels], registry=r)
+            for key, kind, name, documentation, labels in _CONTROL_FAMILIES
         }
         self.per = per
         self._bind(())
