@@ -258,17 +258,18 @@ class TenantsError(QpackError):
 
 
 def load_tenants(path: Path, api_keys: Iterable[str] = ()) -> Tenants:
-    """The tenants of the file at `path` (TOML, or JSON by its `.json` suffix), with `--api-key` keys as the
-    `default` tenant; TenantsError naming every problem at once, each with its line."""
+    """The tenants of the file at `path` (TOML; JSON or YAML by a `.json`, `.yaml` or `.yml` suffix), with
+    `--api-key` keys as the `default` tenant; TenantsError naming every problem at once, each with its line."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise TenantsError(f"tenants file {path} cannot be read ({exc}); fix `tenants_file`") from None
-    return parse_tenants(text, str(path), json_format=path.suffix.lower() == ".json", api_keys=api_keys)
+    file_format = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(path.suffix.lower(), "toml")
+    return parse_tenants(text, str(path), file_format, api_keys=api_keys)
 
 
-def parse_tenants(text: str, source: str, json_format: bool = False, api_keys: Iterable[str] = ()) -> Tenants:
-    data = _decode(text, source, json_format)
+def parse_tenants(text: str, source: str, file_format: str = "toml", api_keys: Iterable[str] = ()) -> Tenants:
+    data = _decode(text, source, file_format)
     problems = _Problems(text)
     tiers = _tiers(data.get("tiers"), problems)
     prefixes = _shared_prefixes(data.get("shared_prefixes"), problems)
@@ -298,9 +299,11 @@ def parse_tenants(text: str, source: str, json_format: bool = False, api_keys: I
     return Tenants(tiers, tuple(tenants), source)
 
 
-def _decode(text: str, source: str, json_format: bool) -> dict[str, Any]:
+def _decode(text: str, source: str, file_format: str) -> dict[str, Any]:
+    if file_format == "yaml":
+        return _decode_yaml(text, source)
     try:
-        data = json.loads(text) if json_format else tomllib.loads(text)
+        data = json.loads(text) if file_format == "json" else tomllib.loads(text)
     except json.JSONDecodeError as exc:
         raise TenantsError(f"tenants file {source}: line {exc.lineno}: {exc.msg}; fix the JSON") from None
     except tomllib.TOMLDecodeError as exc:
@@ -312,9 +315,46 @@ def _decode(text: str, source: str, json_format: bool) -> dict[str, Any]:
     return data
 
 
+def _decode_yaml(text: str, source: str) -> dict[str, Any]:
+    """YAML's safe subset (plain data, no tags that build objects); every mapping key must be a string."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else 1
+        raise TenantsError(
+            f"tenants file {source}: line {line}: {exc.problem or exc}; fix the YAML"
+        ) from None
+    except yaml.YAMLError as exc:
+        raise TenantsError(f"tenants file {source}: {exc}; fix the YAML") from None
+    if not isinstance(data, dict):
+        raise TenantsError(f"tenants file {source}: line 1: must hold a mapping of sections; fix the file")
+    strange = sorted(_non_string_keys(data, ()))
+    if strange:
+        raise TenantsError(
+            f"tenants file {source}: keys must be strings, not {', '.join(strange)}; quote them in the YAML"
+        )
+    return data
+
+
+def _non_string_keys(value: Any, path: tuple[str, ...]) -> list[str]:
+    found: list[str] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                found.append(".".join((*path, repr(key))))
+            found += _non_string_keys(item, (*path, str(key)))
+    elif isinstance(value, list):
+        for item in value:
+            found += _non_string_keys(item, path)
+    return found
+
+
 class _Problems:
     """Problems of one file, each prefixed with the line of the setting it is about (best effort: the first line
-    that names each part of its path in order, as a TOML key, table header or JSON key)."""
+    that names each part of its path in order, as a TOML key, table header, JSON or YAML key)."""
 
     def __init__(self, text: str) -> None:
         self.lines = text.splitlines()

@@ -96,7 +96,11 @@ def test_syntax_errors_name_their_line() -> None:
     with pytest.raises(TenantsError, match=r"at line 2, the end of the file\); fix the TOML"):
         parse_tenants('[tenants.a]\nkeys = ["x"\n', "t.toml")
     with pytest.raises(TenantsError, match=r"line 2: .*fix the JSON"):
-        parse_tenants('{"tenants":\n  {"a": ]}', "t.json", json_format=True)
+        parse_tenants('{"tenants":\n  {"a": ]}', "t.json", "json")
+    with pytest.raises(TenantsError, match=r"line 4: expected .*fix the YAML"):
+        parse_tenants("tenants:\n  a:\n    keys: [x\n", "t.yaml", "yaml")
+    with pytest.raises(TenantsError, match=r"keys must be strings, not tenants\.123"):
+        parse_tenants("tenants:\n  123:\n    keys: [x]\n", "t.yaml", "yaml")
 
 
 def test_service_tier_lowers_the_tier_never_raises_it() -> None:
@@ -191,3 +195,56 @@ def test_a_reload_with_a_broken_file_keeps_the_tenants_in_force(tmp_path: Path) 
     assert source.reloads == {"ok": 1, "failed": 1}
     with pytest.raises(TenantsError, match="cannot be read"):
         TenantsSource(tmp_path / "missing.toml")
+
+
+def test_a_yaml_tenants_file_reads_as_its_toml_twin(tmp_path: Path) -> None:
+    yaml_text = """\
+tiers:
+  - name: priority
+    service_tier: priority
+    ttft_ms: 1500
+  - name: free
+    service_tier: flex
+tenants:
+  acme:
+    keys: [key-tenant-a]
+    tier: priority
+    requests_per_minute: 600
+  globex:
+    keys: ["key-tenant-b"]
+    tier: free
+    requests_per_minute: 8
+"""
+    toml_text = """\
+[[tiers]]
+name = "priority"
+service_tier = "priority"
+ttft_ms = 1500
+[[tiers]]
+name = "free"
+service_tier = "flex"
+
+[tenants.acme]
+keys = ["key-tenant-a"]
+tier = "priority"
+requests_per_minute = 600
+
+[tenants.globex]
+keys = ["key-tenant-b"]
+tier = "free"
+requests_per_minute = 8
+"""
+    for suffix in (".yaml", ".yml"):
+        (tmp_path / f"t{suffix}").write_text(yaml_text)
+    (tmp_path / "t.toml").write_text(toml_text)
+    from_toml = load_tenants(tmp_path / "t.toml")
+    for suffix in (".yaml", ".yml"):
+        from_yaml = load_tenants(tmp_path / f"t{suffix}")
+        assert (from_yaml.tiers, from_yaml.tenants) == (from_toml.tiers, from_toml.tenants)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml_text.replace("tier: free\n    requests", "tier: gold\n    requests"))
+    with pytest.raises(TenantsError, match=r"line 14: tenants\.globex\.tier"):
+        load_tenants(bad)
+    (tmp_path / "evil.yaml").write_text("tenants: !!python/object/apply:os.system [echo hi]\n")
+    with pytest.raises(TenantsError, match="fix the YAML"):
+        load_tenants(tmp_path / "evil.yaml")
