@@ -86,8 +86,8 @@ class ServeOptions:
     """Require 'Authorization: Bearer KEY' on /metrics, whose labels name tenants and tiers (unset: open to
     whoever reaches the port; it binds 127.0.0.1 unless `host` says otherwise)."""
     tenants_file: Path | None = None
-    """Tenants (TOML, JSON or YAML, by suffix): each one's API keys, service tier and limits (requests/tokens per minute, requests
-    in flight, max_tokens); reloaded on SIGHUP. `api_keys` join it as the tenant `default`."""
+    """Tenants (TOML, JSON or YAML, by suffix): each one's API keys, service tier and limits (requests/tokens per
+    minute, requests in flight, max_tokens); reloaded on SIGHUP. `api_keys` join it as the tenant `default`."""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Largest request body; bigger ones get 413 before parsing."""
     dtype: str = "float32"
