@@ -113,24 +113,69 @@ def _grid(r: Rounding) -> tuple[torch.Tensor, torch.Tensor | None]:
     return scale, None
 
 
-def _codes(r: Rounding, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    """[N, G, g] codes (straight-through), on the scheme's integer range. A scale that fp16 rounds to 0 (an
-    all-zero group) divides as the smallest fp16 number: its codes are then finite and dequantize to 0."""
+def _bounds(r: Rounding) -> tuple[float, float]:
+    return (0.0, float(P.INT4_MAX)) if isinstance(r.scheme, Int4) else (-float(P.INT8_MAX), float(P.INT8_MAX))
+
+
+def _grouped(r: Rounding, t: torch.Tensor) -> torch.Tensor:
     n, k = r.weight.shape
-    g = r.group_size
-    w = r.weight.reshape(n, k // g, g)
-    v = r.offset.reshape(n, k // g, g)
-    divisor = scale.clamp_min(_FP16_TINY)[..., None]
-    if zero is None:
-        return _round_ste(w / divisor + v).clamp(-P.INT8_MAX, P.INT8_MAX)
-    return (_round_ste(w / divisor + v) + zero[..., None]).clamp(0, P.INT4_MAX)
+    return t.reshape(n, k // r.group_size, r.group_size)
+
+
+def _quantized(
+    w: torch.Tensor,
+    v: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bounds: tuple[float, float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, G, g] codes before and after clamping to `bounds`: round(w / scale + v) (+ zero). A scale that fp16
+    rounds to 0 (an all-zero group) divides as the smallest fp16 number: its codes are then finite and
+    dequantize to 0."""
+    codes = torch.round(w / scale.clamp_min(_FP16_TINY)[..., None] + v)
+    if zero is not None:
+        codes = codes + zero[..., None]
+    return codes, codes.clamp(*bounds)
+
+
+class _FakeQuant(torch.autograd.Function):
+    """The dequantized weight (q - zero) x scale of q = clamp(round(w / scale + v) + zero), straight through the
+    rounding. Its backward computes the codes again from the weight and the offsets, where autograd would keep
+    every intermediate of the chain: a dozen weight-sized passes and tensors become a few."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        w: torch.Tensor,
+        v: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor | None,
+        bounds: tuple[float, float],
+    ) -> torch.Tensor:
+        ctx.save_for_backward(w, v, scale, zero)
+        ctx.bounds = bounds
+        _codes, q = _quantized(w, v, scale, zero, bounds)
+        return q * scale[..., None] if zero is None else (q - zero[..., None]) * scale[..., None]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        w, v, scale, zero = ctx.saved_tensors
+        codes, q = _quantized(w, v, scale, zero, ctx.bounds)
+        inside = (codes >= ctx.bounds[0]) & (codes <= ctx.bounds[1])
+        through = grad * scale[..., None]  # d out / d q
+        grad_v = through * inside  # straight through the rounding, not past the clamp
+        centered = q if zero is None else q - zero[..., None]
+        divisor = scale.clamp_min(_FP16_TINY)
+        by_divisor = (grad_v * w).sum(-1) / divisor**2 * (scale >= _FP16_TINY)
+        grad_scale = (grad * centered).sum(-1) - by_divisor
+        grad_zero = (grad_v - through).sum(-1) if zero is not None else None
+        return None, grad_v, grad_scale, grad_zero, None
 
 
 def learned_weight(r: Rounding) -> torch.Tensor:
     """The weight [N, K] the learned rounding computes with, differentiable in its parameters."""
     scale, zero = _grid(r)
-    q = _codes(r, scale, zero)
-    dequant = q * scale[..., None] if zero is None else (q - zero[..., None]) * scale[..., None]
+    dequant = _FakeQuant.apply(_grouped(r, r.weight), _grouped(r, r.offset), scale, zero, _bounds(r))
     return dequant.reshape(r.weight.shape)
 
 
@@ -138,7 +183,8 @@ def learned_weight(r: Rounding) -> torch.Tensor:
 def stored_tensors(r: Rounding) -> dict[str, torch.Tensor]:
     """The scheme's stored tensors for the learned rounding; the handler dequantizes them to `learned_weight(r)`."""
     scale, zero = _grid(r)
-    q = _codes(r, scale, zero).reshape(r.weight.shape)
+    _codes, q = _quantized(_grouped(r, r.weight), _grouped(r, r.offset), scale, zero, _bounds(r))
+    q = q.reshape(r.weight.shape)
     if zero is None:
         return {"qweight": q.to(torch.int8), "scale": scale[:, 0].contiguous()}
     return Int4Handler.pack(q.to(torch.uint8), scale, zero.to(torch.uint8))
