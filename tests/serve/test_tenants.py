@@ -215,25 +215,8 @@ tenants:
     tier: free
     requests_per_minute: 8
 """
-    toml_text = """\
-[[tiers]]
-name = "priority"
-service_tier = "priority"
-ttft_ms = 1500
-[[tiers]]
-name = "free"
-service_tier = "flex"
-
-[tenants.acme]
-keys = ["key-tenant-a"]
-tier = "priority"
-requests_per_minute = 600
-
-[tenants.globex]
-keys = ["key-tenant-b"]
-tier = "free"
-requests_per_minute = 8
-"""
+    tiers = '[[tiers]]\nname = "priority"\nservice_tier = "priority"\nttft_ms = 1500\n'
+    toml_text = tiers + '[[tiers]]\nname = "free"\nservice_tier = "flex"\n\n' + EXAMPLE
     for suffix in (".yaml", ".yml"):
         (tmp_path / f"t{suffix}").write_text(yaml_text)
     (tmp_path / "t.toml").write_text(toml_text)
