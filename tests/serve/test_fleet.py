@@ -62,6 +62,31 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
         time.sleep(0.05)
 
 
+def ports_below_ephemeral(count: int) -> int:
+    """The first of `count` consecutive free ports under the kernel's ephemeral range: `--role all` puts its
+    workers on the ports after the gateway's, and one in that range may be taken by any outgoing connection
+    meanwhile (the worker then serves its /health elsewhere, as it should, and the test could not find it)."""
+    import random
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        first = random.randrange(max(1024, low - 12000), low - count)
+        held = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError("no free ports under the ephemeral range")
+
+
 def live_workers(base: str) -> int:
     response = httpx.get(f"{base}/health", timeout=5)
     return response.json().get("workers", 0) if response.status_code == 200 else 0
@@ -250,7 +275,7 @@ def test_role_all_starts_workers_that_answer_and_stops_them_on_sigterm(
 ) -> None:
     """`--role all`: the gateway starts its worker as `python -m serve.fleet.worker_process`, with the engine
     options it was given; SIGTERM drains the gateway and ends the worker."""
-    port = free_port()
+    port = ports_below_ephemeral(2)
     command = [sys.executable, "-m", "qpack", "serve", str(tiny_llama), "--role", "all", "--workers", "1"]
     command += ["--redis", local_redis.url, "--port", str(port), "--kv-memory", "16MB", "--block-size", "4"]
     command += ["--max-model-len", "256", "--prefill-dtype", "float32"]
