@@ -16,7 +16,7 @@ from serve.loading import start_variants
 from serve.openai.routes import ServerInfo, create_app
 from serve.options import LOOPBACK, ServeOptions
 from serve.tenancy.tenants import TenantsSource
-from serve.variants import prioritize
+from serve.variants import prioritize, top_tier_patience
 
 
 def run_server(
@@ -71,8 +71,7 @@ def control_config(options: ServeOptions) -> ControlConfig | None:
 
 def _run_single(options: ServeOptions, tenants: TenantsSource, log: Callable[[str], None]) -> None:
     variants = start_variants(options, log)
-    top = min(tenants.current.tiers, key=lambda t: t.rank)
-    prioritize(variants, 0.25 * top.ttft_ms / 1000 if top.ttft_ms else 0.0)
+    prioritize(variants, top_tier_patience(tenants.current.tiers))
     log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1; /health, /metrics)")
     info = ServerInfo(
         variants.model,

@@ -8,11 +8,15 @@ most accurate one unless the load says otherwise (`serve.control`); a request ma
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from serve.engine import Engine
 from serve.openai.protocol import ApiError
+
+if TYPE_CHECKING:
+    from serve.tenancy.tenants import Tier
 
 
 @dataclass(frozen=True)
@@ -88,3 +92,9 @@ def prioritize(variants: Variants, patience: float | Callable[[], float] = 0.0) 
 
     for served in variants.served[1:]:
         served.engine.defer_to = lambda: primary.top_tier_pending(waited())
+
+
+def top_tier_patience(tiers: Iterable[Tier]) -> float:
+    """The `patience` of `prioritize`: a quarter of the top tier's first-token target (0 without one)."""
+    top = min(tiers, key=lambda t: t.rank)
+    return 0.25 * top.ttft_ms / 1000 if top.ttft_ms else 0.0

@@ -22,6 +22,7 @@ from serve.control.loop import ControlLoop, policies
 from serve.fleet import protocol as P
 from serve.metrics import ControlMetrics
 from serve.tenancy.tenants import TenantsSource
+from serve.variants import top_tier_patience
 
 
 @dataclass
@@ -130,8 +131,7 @@ class FleetControl:
     def _patience(self) -> float:
         """How long a top-tier prompt waits on a worker process before the cheaper builds there give way to it: a
         quarter of the top tier's first-token target (`serve.variants.prioritize`)."""
-        top = min(self.tenants.current.tiers, key=lambda t: t.rank)
-        return 0.25 * top.ttft_ms / 1000 if top.ttft_ms else 0.0
+        return top_tier_patience(self.tenants.current.tiers)
 
 
 def cohosted(workers: list[P.WorkerInfo]) -> bool:
