@@ -1,13 +1,18 @@
 """Prompt-sized products of one linear layer, per shape and per kernel build, in one run: qpack's native int8 and
-int4 kernels (register tiles from 8 rows, the activation rounded to int16 per row, bit-identical to decode)
-against torch's FP32 `F.linear` on an FP32 weight (oneDNN/MKL) and the path the modules took for prompts before
-(dequantize into a scratch buffer, then that GEMM).
+int4 kernels (the activation rounded to int16 per row; int8 as a packed-panel GEMM, and on AMX tiles where the CPU
+has them, all bit-identical to decode) against torch's FP32 `F.linear` on an FP32 weight (oneDNN/MKL) and the path
+the modules took for prompts before (dequantize into a scratch buffer, then that GEMM).
 
 Shapes: SmolLM2-135M's projections (fused q/k/v and gate/up, as the runtime fuses them) and Llama-3-8B's widths.
 Every build this CPU can execute is measured (`kernels.forced`: AVX2 on an AVX-512 machine too). Each number is
 the median of `--repeats` timed calls after a warm-up, as GOP/s (2 M N K per call).
 
-    python benchmarks/prefill.py [--rows 512] [--repeats 7] [--out out/bench-prefill.json]
+With `--artifact DIR` it also times a whole prompt's forward (`--rows` tokens, the model's own tokens cycled), in
+one process, alternating, median of `--repeats`: the int8 artifact on the native prompt GEMM (on AMX tiles where
+the CPU has them, and then also without), the same artifact with prompts as dequantize + float32 GEMM (the path
+before it), and the FP32 model it was built from.
+
+    python benchmarks/prefill.py [--rows 512] [--repeats 7] [--artifact DIR] [--out out/bench-prefill.json]
 """
 
 from __future__ import annotations
@@ -83,14 +88,59 @@ def measure(name: str, k: int, n: int, rows: int, repeats: int, group: int) -> d
             with kernels.forced(isa):
                 if isa == kernels.runnable_isas()[-1]:
                     result["dequantize+gemm int4"] = ops / median_seconds(dequantized_int4, repeats)
-                q = int8.qweight
-                result[f"native int8 {isa}"] = ops / median_seconds(
-                    lambda q=q: kernels.linear(x, q, int8.scale), repeats
-                )
+
+                def native_int8() -> torch.Tensor:
+                    return kernels.linear(x, int8.qweight, int8.scale)
+
+                with kernels.forced_amx(False):
+                    result[f"native int8 {isa}"] = ops / median_seconds(native_int8, repeats)
+                if kernels.amx():
+                    result["native int8 amx"] = ops / median_seconds(native_int8, repeats)
                 result[f"native int4 {isa}"] = ops / median_seconds(
                     lambda: kernels.linear(x, int4.qweight, int4.scale, None, int4.zero_point), repeats
                 )
     print(name, {key: round(v, 1) if isinstance(v, float) else v for key, v in result.items()}, flush=True)
+    return result
+
+
+def model_prefill(artifact: str, rows: int, repeats: int) -> dict[str, object]:
+    """Seconds per prompt forward (median, alternating): native int8 prompts, dequantize + GEMM, FP32 reference."""
+    from quantize.io.artifact import load_artifact
+    from quantize.model.sources import load_model, resolve_model
+
+    loaded = load_artifact(artifact)
+    reference = load_model(resolve_model(loaded.manifest["source"]["model_id"]), dtype=torch.float32)
+    tokens = torch.arange(rows).remainder(reference.config.vocab_size - 1).add(1)[None]
+
+    def forward(model: torch.nn.Module, native: bool, amx: bool = True) -> Callable[[], object]:
+        def call() -> object:
+            Int8Linear.native_prompts = native
+            try:
+                with kernels.forced_amx(amx):
+                    return model(tokens, use_cache=False).logits
+            finally:
+                Int8Linear.native_prompts = True
+
+        return call
+
+    calls = {"int8 native": forward(loaded.model, True)}
+    if kernels.amx():
+        calls["int8 native, AMX off"] = forward(loaded.model, True, amx=False)
+    calls["int8 dequantize+gemm"] = forward(loaded.model, False)
+    calls["fp32"] = forward(reference, True)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    with torch.inference_mode():
+        for call in calls.values():
+            call()
+        for _ in range(repeats):
+            for name, call in calls.items():
+                started = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - started)
+    seconds = {name: statistics.median(values) for name, values in times.items()}
+    result: dict[str, object] = {"rows": rows, "isa": kernels.isa(), "amx": kernels.amx(), "seconds": seconds}
+    result["speedup vs fp32"] = {name: seconds["fp32"] / value for name, value in seconds.items()}
+    print("prefill", json.dumps(result, indent=1), flush=True)
     return result
 
 
@@ -102,6 +152,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--group", type=int, default=64)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    parser.add_argument("--artifact", help="an int8 artifact: also time whole prompt forwards")
     parser.add_argument("--out", type=Path, default=Path("out/bench-prefill.json"))
     args = parser.parse_args()
     kernels.enable()
@@ -112,6 +163,8 @@ def main() -> None:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     summary = {"machine": machine_info(), "threads": torch.get_num_threads(), "gops": results}
+    if args.artifact:
+        summary["model"] = model_prefill(args.artifact, args.rows, args.repeats)
     args.out.write_text(json.dumps(summary, indent=2))
 
 

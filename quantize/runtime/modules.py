@@ -12,9 +12,12 @@ Plain `nn.Linear` (FP32 layers, unquantized models) gets the same three answers 
 `decode_part`, `decode_bytes` and `fuse_linears`, the only places that tell it apart.
 
 Kernels, by weight type and number of activation rows M:
-- int8 (W8A16): qpack's native kernel, below `dense_min_rows` rows in chunks of `kernels.max_rows()` rows, so a
-  row's result is the same whatever else shares its batch (a seeded request samples the same tokens alone or
-  among 30: the fleet's regeneration after a worker's death relies on it). Without the kernels,
+- int8 (W8A16): qpack's native kernel for every M (register tiles for a few rows, a packed-panel GEMM for
+  prompts), whose result for a row is defined exactly: the int16-rounded activations times the int8 weights,
+  summed exactly, rounded to float once. So a row's result is the same whatever else shares its batch and
+  whichever kernel or CPU computed it (a seeded request samples the same tokens alone or among 30: the fleet's
+  regeneration after a worker's death relies on it; a prompt's KV equals what decode would compute). With
+  `prefill_dtype` bf16, prompts keep dequantize + bf16 GEMM. Without the kernels,
   `aten._weight_int8pack_mm`, which on CPU is fast only with bf16 activations (fp32 is 10-50x slower), so
   activations are cast around it and the per-channel scale is applied in fp32 afterwards.
 - int4 (W4A16): the native kernel; else `aten._weight_int4pack_mm_for_cpu` on CPU, `aten._weight_int4pack_mm` on
@@ -321,6 +324,8 @@ def _int8_kernel(x2: torch.Tensor, kernel_weight: torch.Tensor, unit: torch.Tens
 
 class Int8Linear(QuantLinear):
     dense_min_rows: ClassVar[int] = 48
+    # Prompt-sized products on the native packed-panel GEMM (csrc/gemm.h) instead of dequantize + float32 GEMM.
+    native_prompts: ClassVar[bool] = True
     row_tensors = ("qweight", "scale", "unit")
 
     def __init__(
@@ -339,17 +344,24 @@ class Int8Linear(QuantLinear):
         qweight = self.qweight[:, : self.in_features]
         if x.is_cuda:
             y = _cuda_int8_mm(x2, qweight, self.scale)
-        elif kernels.takes(x2):
+        elif self._native(x2):
             y = kernels.linear(x2.to(torch.float32), self.qweight, self.scale)
-        elif kernels.ready() and x2.shape[0] < self.batch_invariant_rows and not x2.requires_grad:
-            rows = x2.to(torch.float32).split(kernels.max_rows())
-            y = torch.cat([kernels.linear(part, self.qweight, self.scale) for part in rows])
         elif x2.shape[0] >= self.dense_min_rows:
             weight = P.dequantize_int8(qweight, self.scale, out=_scratch(qweight.shape, qweight.device))
             y = _dense(x2, weight, self.prefill_dtype)
         else:
             y = _int8_kernel(x2, self.qweight, self.unit) * self.scale
         return self._finish(y, x).reshape(*x.shape[:-1], self.out_features)
+
+    def _native(self, x2: torch.Tensor) -> bool:
+        """Whether the native kernel computes these rows: any number of them (one call: every row's result is the
+        exact integer sum rounded once, whatever M), unless prompt-sized products were asked for in bf16, or
+        `native_prompts` is off (the dequantize + GEMM baseline benchmarks compare against)."""
+        if not kernels.ready() or x2.device.type != "cpu" or (torch.is_grad_enabled() and x2.requires_grad):
+            return False
+        rows = x2.shape[0]
+        prompt = rows >= self.batch_invariant_rows
+        return not prompt or (Int8Linear.native_prompts and self.prefill_dtype == torch.float32)
 
     def decode_part(self) -> kernels.Part | None:
         return self.qweight, self.scale, self.bias, None

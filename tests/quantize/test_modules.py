@@ -8,7 +8,7 @@ import torch
 from quantize.formats.schemes import BF16, FP16, W8A8, BnbInt8, BnbNF4, Int4, Int8, Scheme
 from quantize.runtime.handlers import HANDLERS, handler_for
 from quantize.runtime.modules import Int4Linear, Int8Linear, QuantLinear
-from tests.numerics import gemm_error_bound
+from tests.numerics import gemm_error_bound, int16_rounding_bound
 
 CASES: list[tuple[Scheme, float]] = [
     (Int8(), 2e-2),
@@ -190,8 +190,9 @@ def test_fused_projection_equals_separate_ones(scheme: Scheme | None, kernel_pat
 @pytest.mark.parametrize("scheme", [Int8(), Int4(64)], ids=lambda s: s.label())
 def test_prefill_runs_in_float32_unless_set_whatever_the_cpu(scheme: Scheme, kernel_path: str) -> None:
     """One numeric path by default: a prefill-sized batch multiplies in float32 on every CPU (AMX and
-    AVX512-BF16 included); bfloat16 only when set on the model, within bf16 rounding of the exact product,
-    inherited by fused modules and reported by `prefill_dtype_of`."""
+    AVX512-BF16 included), or for int8 on the native kernels as their exact integer sums of the int16-rounded
+    activation; bfloat16 only when set on the model, within bf16 rounding of the exact product, inherited by
+    fused modules and reported by `prefill_dtype_of`."""
     from quantize.runtime.modules import fuse_linears, prefill_dtype_of, set_prefill_dtype
 
     torch.manual_seed(0)
@@ -207,7 +208,11 @@ def test_prefill_runs_in_float32_unless_set_whatever_the_cpu(scheme: Scheme, ker
     with torch.inference_mode():
         assert prefill_dtype_of(model) == "float32"
         float32 = model[0](x)
-        assert ((float32.double() - exact).abs() <= gemm_error_bound(x, dequantized, torch.float32)).all()
+        bound = gemm_error_bound(x, dequantized, torch.float32)
+        if isinstance(scheme, Int8) and kernel_path == "native":
+            bound = int16_rounding_bound(x, dequantized)
+            assert torch.equal(float32, torch.cat([model[0](x[i : i + 1]) for i in range(len(x))]))
+        assert ((float32.double() - exact).abs() <= bound).all()
         assert set_prefill_dtype(model, "bfloat16") == 2 and prefill_dtype_of(model) == "bfloat16"
         bfloat16 = model[0](x)
         assert bfloat16.dtype == torch.float32 and not torch.equal(bfloat16, float32)

@@ -7,6 +7,7 @@ AVX-512 sources are then still compiled, by `test_the_avx512_sources_compile_on_
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -142,6 +143,77 @@ def test_prompt_sized_products_equal_each_row_alone_across_tiles_and_threads(kin
         torch.set_num_threads(threads)
 
 
+def _exact_int8_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the int8 kernels define, computed independently: each row rounded to int16 (half to even) against
+    its largest magnitude, the integer products summed exactly (int64 matmul), the sum rounded to float once,
+    then times the row's and the weight row's scales."""
+    peak = x.abs().amax(1)
+    inverse = torch.where(peak > 0, torch.tensor(32767.0) / peak, torch.zeros_like(peak))
+    q = torch.round(x * inverse[:, None]).to(torch.int64)
+    exact = q @ qweight[:, : x.shape[1]].to(torch.int64).T
+    return exact.to(torch.float32) * ((peak / 32767.0)[:, None] * scale[None, :])
+
+
+@pytest.mark.parametrize("k", [2090, 2091])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 40, 300])
+def test_int8_products_are_the_exact_integer_sum_rounded_once(rows: int, k: int, isa: str) -> None:
+    """The int8 kernels' result is defined, not merely close: the exact integer sum of the int16 activation
+    times the int8 weight, rounded to float once. Checked bit for bit against an int64 matmul, for the decode
+    rows, the register tiles and the prompt GEMM, across the 2048- and 512-input blocks and a K tail (an odd K
+    keeps the tiles); large activations and extreme weights (-128, 127) fill the int32 lanes as full as they
+    get."""
+    generator = torch.Generator().manual_seed(rows)
+    n = 37
+    x = torch.randn(rows, k, generator=generator)
+    x[:, :1024] = x[:, :1024].sign() * 50  # every activation of the first half at the row's peak
+    qweight = torch.randint(-128, 128, (n, k + 6), generator=generator, dtype=torch.int8)
+    qweight[0, :] = -128
+    scale = torch.rand(n, generator=generator) / 100 + 1e-4
+    assert torch.equal(kernels.linear(x, qweight, scale), _exact_int8_reference(x, qweight, scale))
+
+
+def test_both_builds_compute_the_same_int8_bits() -> None:
+    """An exact sum has no order, so the AVX2 and AVX-512 builds (8 or 16 lanes, other tiles) agree to the bit:
+    a server's int8 layers answer the same on every CPU kind."""
+    if "avx512" not in kernels.runnable_isas():
+        pytest.skip("this CPU runs only the avx2 build")
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 1536, generator=generator)
+    qweight = torch.randint(-128, 128, (96, 1536), generator=generator, dtype=torch.int8)
+    scale = torch.rand(96, generator=generator) / 100
+    bias = torch.randn(96, generator=generator)
+    outputs = []
+    for isa in ("avx2", "avx512"):
+        with kernels.forced(isa):
+            outputs.append(torch.cat([kernels.linear(x[:m], qweight, scale, bias) for m in (1, 5, 16, 70)]))
+    assert torch.equal(*outputs)
+
+
+def test_amx_tiles_compute_the_same_int8_bits() -> None:
+    """Where the CPU has AMX-INT8, prompt-sized int8 products run on its tiles, each int16 activation split into a
+    signed high and an unsigned low byte: the exact sum again, so the same bits as the AVX-512 kernels and the
+    int64 reference, for row counts off the 16-row tiles, K off the 64-input steps, N off the 32-row panels."""
+    kernels.enable()
+    with kernels.forced("avx512") if "avx512" in kernels.runnable_isas() else contextlib.nullcontext():
+        with kernels.forced_amx(True):
+            if not kernels.amx():
+                pytest.skip("this CPU (or its OS) offers no AMX-INT8: the AMX GEMM never runs here")
+        generator = torch.Generator().manual_seed(5)
+        for rows, k, n in ((48, 576, 960), (130, 2090, 37), (300, 72, 33)):
+            x = torch.randn(rows, k, generator=generator)
+            x[:, : k // 2] = x[:, : k // 2].sign() * 50
+            qweight = torch.randint(-128, 128, (n, k + 6), generator=generator, dtype=torch.int8)
+            scale = torch.rand(n, generator=generator) / 100
+            bias = torch.randn(n, generator=generator)
+            with kernels.forced_amx(True):
+                tiles = kernels.linear(x, qweight, scale, bias)
+                assert torch.equal(
+                    kernels.linear(x, qweight, scale), _exact_int8_reference(x, qweight, scale)
+                )
+            with kernels.forced_amx(False):
+                assert torch.equal(tiles, kernels.linear(x, qweight, scale, bias)), (rows, k, n)
+
+
 def _int4_case(
     rows: int, group_size: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -245,13 +317,17 @@ def test_quantized_modules_route_small_batches_and_stay_exact(isa: str) -> None:
     try:
         with torch.inference_mode():
             int8(x)
-            int8(torch.randn(kernels.max_rows() + 1, 40))  # a mid-sized batch runs in native chunks
-            int8(torch.randn(Int8Linear.batch_invariant_rows, 40))  # a prefill-sized batch keeps torch's GEMM
+            int8(torch.randn(kernels.max_rows() + 1, 40))  # every batch in one native call
+            int8(torch.randn(Int8Linear.batch_invariant_rows, 40))  # a prompt on the native GEMM
+            int8.prefill_dtype = torch.bfloat16
+            int8(torch.randn(Int8Linear.batch_invariant_rows, 40))  # a prompt asked for in bf16: torch's GEMM
+            int8(torch.randn(Int8Linear.batch_invariant_rows - 1, 40))  # under a prompt's size: native
         needs_grad = torch.randn(2, 40, requires_grad=True)
         half(needs_grad).sum().backward()  # autograd keeps torch's ops, gradients flow
     finally:
         kernels.linear = real  # type: ignore[assignment]
-    assert calls == [3, kernels.max_rows(), 1]
+    rows = Int8Linear.batch_invariant_rows
+    assert calls == [3, kernels.max_rows() + 1, rows, rows - 1]
     assert needs_grad.grad is not None and needs_grad.grad.abs().sum() > 0
 
 

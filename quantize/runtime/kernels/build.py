@@ -31,7 +31,7 @@ _log = logging.getLogger("qpack.kernels")
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 # Translation units, in link order; the headers they include are hashed too (any file in csrc/).
-SOURCES = ("linear.cpp", "attention.cpp", "decode_layers.cpp", "bindings.cpp")
+SOURCES = ("linear.cpp", "gemm_amx.cpp", "attention.cpp", "decode_layers.cpp", "bindings.cpp")
 AVX512_FEATURES = ("avx512_f", "avx512_bw", "avx512_vl", "avx512_vnni")
 ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma"],

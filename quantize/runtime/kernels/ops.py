@@ -128,6 +128,26 @@ def max_rows() -> int:
     return _MAX_ROWS[_isa] if _module is not None and _isa is not None else 0
 
 
+def amx() -> bool:
+    """Whether int8 prompt-sized products run on AMX tiles: the AVX-512 build is in use, the CPU has AMX-INT8, the
+    OS granted the tile state, and neither QPACK_NATIVE_AMX=0 nor `forced_amx(False)` switched it off. It changes
+    the speed only: every int8 kernel computes the same exact integer sums."""
+    return _module is not None and bool(_module.amx_enabled())
+
+
+@contextmanager
+def forced_amx(on: bool) -> Iterator[None]:
+    """For the duration, int8 prompt products run on AMX tiles (`on`, where the CPU allows) or never; then the
+    previous setting returns. Tests compare the two paths with it."""
+    module = _kernels()
+    previous = bool(module.amx_enabled())
+    module.set_amx(on)
+    try:
+        yield
+    finally:
+        module.set_amx(previous)
+
+
 def unavailable_reason() -> str | None:
     return _failed
 

@@ -6,6 +6,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
 
+#include "amx.h"
+#include "gemm.h"
 #include "ops.h"
 #include "tiles.h"
 
@@ -50,7 +52,20 @@ inline void store_rows(const Lin& L, int64_t n, const float* out, const float* r
   const float s = L.scale ? L.scale[n] : 1.0f, b = L.bias ? L.bias[n] : 0.0f;
   for (int64_t j = 0; j < mb; ++j) {
     float& dst = y[(m + j) * ldy + n];
-    dst = out[j] * (row_scale ? row_scale[m + j] * s : s) + b + (accumulate ? dst : 0.0f);
+    dst = finish(out[j], row_scale ? row_scale[m + j] * s : s, b, dst, accumulate);
+  }
+}
+
+// Columns n .. n + cols of every row from a panel's exact sums [M, kPanel], each as store_rows stores it, row by row
+// (a column at a time would write one cache line per value).
+inline void store_panel(const Lin& L, int64_t n, int cols, const int64_t* sums, const float* row_scale, int64_t M,
+                        float* y, int64_t ldy, bool accumulate) {
+  float s[kPanel], b[kPanel];
+  for (int c = 0; c < cols; ++c) s[c] = L.scale ? L.scale[n + c] : 1.0f, b[c] = L.bias ? L.bias[n + c] : 0.0f;
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = y + m * ldy + n;
+    for (int c = 0; c < cols; ++c)
+      row[c] = finish(static_cast<float>(sums[m * kPanel + c]), row_scale[m] * s[c], b[c], row[c], accumulate);
   }
 }
 
@@ -130,8 +145,33 @@ void tiles_i8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n
   }
 }
 
+// From this many activation rows (and an even K) the int8 product runs the packed-panel GEMM (gemm.h): same bits.
+constexpr int64_t kGemmMinRows = 48;
+
+void gemm_i8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
+  const int8_t* w = static_cast<const int8_t*>(L.w);
+  const int64_t K = a.K, M = a.M, depth = depth_for(K);
+  std::vector<int16_t> panel(kDepth * kPanel);
+  std::vector<int64_t> sums(M * kPanel);
+  for (int64_t n = n0; n < n1; n += kPanel) {
+    const int cols = static_cast<int>(std::min<int64_t>(kPanel, n1 - n));
+    std::fill(sums.begin(), sums.end(), 0);
+    for (int64_t k0 = 0; k0 < K; k0 += depth) {
+      const int64_t pairs = (std::min(K, k0 + depth) - k0) / 2;
+      pack_panel_i8(w, L.ldw, n, cols, k0, pairs, panel.data());
+      for (int64_t m = 0; m < M; m += kTall) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTall, M - m));
+        micro_i8_rows(rows, a.q + m * K + k0, K, panel.data(), pairs, sums.data() + m * kPanel);
+      }
+    }
+    store_panel(L, n, cols, sums.data(), a.scale, M, y, ldy, accumulate);
+  }
+}
+
 void lin_cols_i8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
   a.quantize();
+  if (a.amx_hi != nullptr) return gemm_i8_amx(L, a, y, ldy, n0, n1, accumulate);
+  if (a.M >= kGemmMinRows && a.K % 2 == 0) return gemm_i8(L, a, y, ldy, n0, n1, accumulate);
   if (a.M >= kTileMinRows) return tiles_i8(L, a, y, ldy, n0, n1, accumulate);
   const int8_t* w = static_cast<const int8_t*>(L.w);
   const int64_t K = a.K;
@@ -254,7 +294,21 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, at::Tensor scale, at::Tensor 
   std::vector<float> row_scale(M);
   Act a{xp, M, K, q.data(), row_scale.data(), q4.data(), group_sum.data()};
   if (L.kind == at::kByte) a.quantize4(L.group);  // before the threads share it
-  if (L.kind == at::kChar) a.quantize();
+  std::vector<int8_t> amx_hi;
+  std::vector<uint8_t> amx_lo;
+  if (L.kind == at::kChar) {
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) { a.quantize_rows(begin, end); });
+    a.quantized = true;
+    if (M >= kAmxMinRows && K <= 65536 && amx_enabled()) {  // int32 tile sums stay exact up to 65536 inputs
+      const int64_t Kp = (K + 63) / 64 * 64, Mp = (M + 15) / 16 * 16;
+      amx_hi.assign(Mp * Kp, 0);
+      amx_lo.assign(Mp * Kp, 0);
+      at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+        amx_split_rows(a, begin, end, amx_hi.data(), amx_lo.data(), Kp);
+      });
+      a.amx_hi = amx_hi.data(), a.amx_lo = amx_lo.data(), a.amx_k = Kp;
+    }
+  }
   auto run = [&] {
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { lin_range(L, a, yp, N, begin, end); });
   };

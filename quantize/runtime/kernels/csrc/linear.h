@@ -106,6 +106,9 @@ struct Act {
   int32_t* group_sum;  // and its sums per group of `summed_group` inputs [M, K / group], for the zero points
   bool quantized = false, quantized4 = false;
   int64_t summed_group = 0;
+  int8_t* amx_hi = nullptr;  // q split for the AMX GEMM (amx.h), [Mp, amx_k] each, when it runs
+  uint8_t* amx_lo = nullptr;
+  int64_t amx_k = 0;
 
   // q4 and the per-group sums that the zero points multiply: once per activation and group size, not once
   // per weight row.
@@ -136,8 +139,14 @@ struct Act {
 
   void quantize() {
     if (quantized) return;
+    quantize_rows(0, M);
+    quantized = true;
+  }
+
+  // Rows [m0, m1) of `quantize` (threads may quantize disjoint rows; the caller then sets `quantized`).
+  void quantize_rows(int64_t m0, int64_t m1) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t m = 0; m < M; ++m) {
+    for (int64_t m = m0; m < m1; ++m) {
       const float* row = x + m * K;
       __m256 peaks = _mm256_setzero_ps();
       int64_t k = 0;
@@ -158,23 +167,24 @@ struct Act {
       for (; k < K; ++k) out[k] = static_cast<int16_t>(std::nearbyint(row[k] * inv));
       scale[m] = peak / 32767.f;
     }
-    quantized = true;
   }
 };
 
 
-// out[j] = sum_k q[j, k] * w[k] over MB int16 activation rows, exact in int32 within blocks of 2048 (each
-// lane sums <= 256 products of magnitude <= 32767 * 128), blocks summed in float.
+// out[j] = float(sum_k q[j, k] * w[k]) over MB int16 activation rows: the sum is exact (int32 lanes within blocks
+// of 2048 inputs, each lane summing <= 256 products of magnitude <= 32767 * 128, the blocks' lanes added in
+// int64) and rounded to float once. An exact sum has no order, so every kernel that computes it (these rows, the
+// register tiles, the prompt GEMMs, on AVX2 or AVX-512) returns the same bits for a row, whatever M or tile.
 template <int MB>
 inline void row_dot_i8(const int16_t* q, int64_t K, const int8_t* w, float* out) {
+  int64_t exact[MB];
+  for (int j = 0; j < MB; ++j) exact[j] = 0;
 #ifdef QPACK_AVX512
   // vpdpwssd: 32 int8 weights widened once, one fused multiply-add per activation row.
-  __m512 total[MB];
-  for (int j = 0; j < MB; ++j) total[j] = _mm512_setzero_ps();
-  const int64_t K32 = K & ~int64_t(31);
+  const int64_t KV = K & ~int64_t(31);
   int64_t k = 0;
-  while (k < K32) {
-    const int64_t end = std::min<int64_t>(K32, k + 2048);
+  while (k < KV) {
+    const int64_t end = std::min<int64_t>(KV, k + 2048);
     __m512i acc[MB];
     for (int j = 0; j < MB; ++j) acc[j] = _mm512_setzero_si512();
     for (; k < end; k += 32) {
@@ -182,20 +192,13 @@ inline void row_dot_i8(const int16_t* q, int64_t K, const int8_t* w, float* out)
       const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
       for (int j = 0; j < MB; ++j) acc[j] = _mm512_dpwssd_epi32(acc[j], wv, _mm512_loadu_si512(q + j * K + k));
     }
-    for (int j = 0; j < MB; ++j) total[j] = _mm512_add_ps(total[j], _mm512_cvtepi32_ps(acc[j]));
-  }
-  for (int j = 0; j < MB; ++j) {
-    int32_t tail = 0;
-    for (int64_t t = K32; t < K; ++t) tail += static_cast<int32_t>(q[j * K + t]) * w[t];
-    out[j] = _mm512_reduce_add_ps(total[j]) + static_cast<float>(tail);
+    for (int j = 0; j < MB; ++j) exact[j] += hsum_i64(acc[j]);
   }
 #else
-  __m256 total[MB];
-  for (int j = 0; j < MB; ++j) total[j] = _mm256_setzero_ps();
-  const int64_t K16 = K & ~int64_t(15);
+  const int64_t KV = K & ~int64_t(15);
   int64_t k = 0;
-  while (k < K16) {
-    const int64_t end = std::min<int64_t>(K16, k + 2048);
+  while (k < KV) {
+    const int64_t end = std::min<int64_t>(KV, k + 2048);
     __m256i acc[MB];
     for (int j = 0; j < MB; ++j) acc[j] = _mm256_setzero_si256();
     for (; k < end; k += 16) {
@@ -205,14 +208,13 @@ inline void row_dot_i8(const int16_t* q, int64_t K, const int8_t* w, float* out)
         acc[j] = _mm256_add_epi32(
             acc[j], _mm256_madd_epi16(wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * K + k))));
     }
-    for (int j = 0; j < MB; ++j) total[j] = _mm256_add_ps(total[j], _mm256_cvtepi32_ps(acc[j]));
-  }
-  for (int j = 0; j < MB; ++j) {
-    int32_t tail = 0;
-    for (int64_t t = K16; t < K; ++t) tail += static_cast<int32_t>(q[j * K + t]) * w[t];
-    out[j] = hsum(total[j]) + static_cast<float>(tail);
+    for (int j = 0; j < MB; ++j) exact[j] += hsum_i64(acc[j]);
   }
 #endif
+  for (int j = 0; j < MB; ++j) {
+    for (int64_t t = KV; t < K; ++t) exact[j] += static_cast<int32_t>(q[j * K + t]) * w[t];
+    out[j] = static_cast<float>(exact[j]);
+  }
 }
 
 // out[j] = sum_k q[j, k] * dequantized w[k] over MB int16 rows (q4 order) for an int4 row: per group g,
@@ -277,6 +279,12 @@ inline void row_dot_i4(const int16_t* q4, const int32_t* group_sum, int64_t K, c
   }
   for (int j = 0; j < MB; ++j) out[j] = hsum(total[j]) - zero_terms[j];
 #endif
+}
+
+// One output from its row's sum: sum * (row scale * weight row scale) + bias, one rounding for the multiply-add
+// (explicit, so every kernel stores the same bits whatever the compiler contracts), then what `y` held.
+inline float finish(float sum, float scale, float bias, float dst, bool accumulate) {
+  return std::fma(sum, scale, bias) + (accumulate ? dst : 0.0f);
 }
 
 // Output columns [n0, n1) of y[m, n] (+)= (x[m, :K] . w[n, :K]) * scale[n] + bias[n] for the activation rows

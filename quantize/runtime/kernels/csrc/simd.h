@@ -23,6 +23,15 @@ inline float scalar(at::BFloat16 v) { return static_cast<float>(v); }
 inline void store(float* p, float v) { *p = v; }
 inline void store(at::BFloat16* p, float v) { *p = at::BFloat16(v); }
 
+// The exact sum of 8 (or 16) int32 lanes, in int64: integer sums do not depend on their order, so every kernel
+// that sums the same products exactly gets the same total, whatever its lanes and tiles.
+inline int64_t hsum_i64(__m256i v) {
+  const __m256i wide = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(v)),
+                                        _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1)));
+  const __m128i pair = _mm_add_epi64(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
+  return _mm_cvtsi128_si64(pair) + _mm_extract_epi64(pair, 1);
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -40,6 +49,10 @@ inline void prefetch(const W* w, int64_t count) {
 }
 
 #ifdef QPACK_AVX512
+inline int64_t hsum_i64(__m512i v) {
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)),
+                                                  _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1))));
+}
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

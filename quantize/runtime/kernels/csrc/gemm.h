@@ -1,0 +1,182 @@
+// The int8 linear for prompt-sized activations (many rows): a packed-panel GEMM in the outer-product form that
+// dense GEMM libraries use, instead of the dot-product form of the decode kernels (linear.h, tiles.h).
+//
+// A panel of kPanel weight rows is widened to int16 and packed once per block of kDepth inputs, as
+// [pair][row][2] (two inputs of one weight row in each 32-bit lane), into a buffer that stays in L1/L2 while every
+// activation row passes it: a micro-kernel keeps kTall activation rows x kPanel weight rows of int32 sums in
+// registers and, per input pair, broadcasts each row's two int16 activations and multiply-adds them into all
+// weight rows at once (`vpdpwssd`, or `vpmaddwd` + add on AVX2). Each lane sums at most kDepth products of
+// magnitude <= 32767 * 128 (< 2^31), so it is exact; the blocks are added in int64 and the total rounded to float
+// once, which is exactly what the decode kernels compute: the same bits for a row, whatever kernel, M or tile.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "simd.h"
+
+namespace qpack {
+
+#ifdef QPACK_AVX512
+constexpr int kVec = 16;  // int32 lanes per register
+constexpr int kTall = 12, kWide = 2;  // activation rows x registers of weight rows: 24 sums in registers
+#else
+constexpr int kVec = 8;
+constexpr int kTall = 4, kWide = 3;  // 12 sums, 3 weights, 1 activation
+#endif
+constexpr int kPanel = kVec * kWide;  // weight rows per packed panel
+constexpr int64_t kDepth = 512;       // inputs per block: each int32 lane sums <= 512 products, exact
+
+// sums[j][c] += the exact int32 sums over `pairs` input pairs of activation rows j < T (int16, row stride lda,
+// read two at a time) and the packed panel's weight rows c < kPanel; sums row stride kPanel, in int64.
+template <int T>
+inline void micro_i8(const int16_t* a, int64_t lda, const int16_t* panel, int64_t pairs, int64_t* sums) {
+#ifdef QPACK_AVX512
+  __m512i acc[T][kWide];
+  for (int j = 0; j < T; ++j)
+    for (int c = 0; c < kWide; ++c) acc[j][c] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i w[kWide];
+    for (int c = 0; c < kWide; ++c) w[c] = _mm512_loadu_si512(panel + (p * kPanel + c * kVec) * 2);
+    for (int j = 0; j < T; ++j) {
+      const __m512i x = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + j * lda + 2 * p));
+      for (int c = 0; c < kWide; ++c) acc[j][c] = _mm512_dpwssd_epi32(acc[j][c], x, w[c]);
+    }
+  }
+  for (int j = 0; j < T; ++j)
+    for (int c = 0; c < kWide; ++c) {
+      int64_t* s = sums + j * kPanel + c * kVec;
+      const __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc[j][c]));
+      const __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc[j][c], 1));
+      _mm512_storeu_si512(s, _mm512_add_epi64(_mm512_loadu_si512(s), lo));
+      _mm512_storeu_si512(s + 8, _mm512_add_epi64(_mm512_loadu_si512(s + 8), hi));
+    }
+#else
+  __m256i acc[T][kWide];
+  for (int j = 0; j < T; ++j)
+    for (int c = 0; c < kWide; ++c) acc[j][c] = _mm256_setzero_si256();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m256i w[kWide];
+    for (int c = 0; c < kWide; ++c)
+      w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (p * kPanel + c * kVec) * 2));
+    for (int j = 0; j < T; ++j) {
+      const __m256i x = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(a + j * lda + 2 * p));
+      for (int c = 0; c < kWide; ++c) acc[j][c] = _mm256_add_epi32(acc[j][c], _mm256_madd_epi16(x, w[c]));
+    }
+  }
+  for (int j = 0; j < T; ++j)
+    for (int c = 0; c < kWide; ++c) {
+      int64_t* s = sums + j * kPanel + c * kVec;
+      const __m256i lo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(acc[j][c]));
+      const __m256i hi = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(acc[j][c], 1));
+      __m256i* s0 = reinterpret_cast<__m256i*>(s);
+      __m256i* s1 = reinterpret_cast<__m256i*>(s + 4);
+      _mm256_storeu_si256(s0, _mm256_add_epi64(_mm256_loadu_si256(s0), lo));
+      _mm256_storeu_si256(s1, _mm256_add_epi64(_mm256_loadu_si256(s1), hi));
+    }
+#endif
+}
+
+// micro_i8<rows> for a runtime count of activation rows, 1 .. kTall (the last rows of a product).
+template <int T = kTall>
+inline void micro_i8_rows(int rows, const int16_t* a, int64_t lda, const int16_t* panel, int64_t pairs,
+                          int64_t* sums) {
+  if constexpr (T > 1) {
+    if (rows < T) return micro_i8_rows<T - 1>(rows, a, lda, panel, pairs, sums);
+  }
+  micro_i8<T>(a, lda, panel, pairs, sums);
+}
+
+// The transpose of 16 (AVX-512) or 8 (AVX2) vectors of 32-bit elements: v[i] element e becomes v[e] element i.
+#ifdef QPACK_AVX512
+inline void transpose_lanes(__m512i (&v)[kVec]) {
+  __m512i t[kVec];
+  for (int i = 0; i < kVec; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  // v[r + c], r = 0, 4, 8, 12: in each 128-bit lane L, element 4L + c of rows r .. r + 3.
+  for (int r = 0; r < kVec; r += 4) {
+    v[r] = _mm512_unpacklo_epi64(t[r], t[r + 2]);
+    v[r + 1] = _mm512_unpackhi_epi64(t[r], t[r + 2]);
+    v[r + 2] = _mm512_unpacklo_epi64(t[r + 1], t[r + 3]);
+    v[r + 3] = _mm512_unpackhi_epi64(t[r + 1], t[r + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i low_even = _mm512_shuffle_i32x4(v[c], v[c + 4], 0x88);  // lanes 0, 2 of rows 0-3, 4-7
+    const __m512i low_odd = _mm512_shuffle_i32x4(v[c], v[c + 4], 0xDD);
+    const __m512i high_even = _mm512_shuffle_i32x4(v[c + 8], v[c + 12], 0x88);
+    const __m512i high_odd = _mm512_shuffle_i32x4(v[c + 8], v[c + 12], 0xDD);
+    t[c] = _mm512_shuffle_i32x4(low_even, high_even, 0x88);
+    t[c + 8] = _mm512_shuffle_i32x4(low_even, high_even, 0xDD);
+    t[c + 4] = _mm512_shuffle_i32x4(low_odd, high_odd, 0x88);
+    t[c + 12] = _mm512_shuffle_i32x4(low_odd, high_odd, 0xDD);
+  }
+  for (int i = 0; i < kVec; ++i) v[i] = t[i];
+}
+inline __m512i widen_pairs(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void store_vec(int16_t* p, __m512i v) { _mm512_storeu_si512(p, v); }
+#else
+inline void transpose_lanes(__m256i (&v)[kVec]) {
+  __m256i t[kVec];
+  for (int i = 0; i < kVec; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  // v[r + c], r = 0, 4: in each 128-bit lane L, element 4L + c of rows r .. r + 3.
+  for (int r = 0; r < kVec; r += 4) {
+    v[r] = _mm256_unpacklo_epi64(t[r], t[r + 2]);
+    v[r + 1] = _mm256_unpackhi_epi64(t[r], t[r + 2]);
+    v[r + 2] = _mm256_unpacklo_epi64(t[r + 1], t[r + 3]);
+    v[r + 3] = _mm256_unpackhi_epi64(t[r + 1], t[r + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm256_permute2x128_si256(v[c], v[c + 4], 0x20);
+    t[c + 4] = _mm256_permute2x128_si256(v[c], v[c + 4], 0x31);
+  }
+  for (int i = 0; i < kVec; ++i) v[i] = t[i];
+}
+inline __m256i widen_pairs(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store_vec(int16_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+#endif
+
+// panel[p][c][0..1] = w[n + c][k0 + 2p .. k0 + 2p + 1] widened to int16, for c < cols (zero for the rest of the
+// panel's rows), p < pairs: kVec rows' kVec pairs at a time are widened and transposed in registers.
+inline void pack_panel_i8(const int8_t* w, int64_t ldw, int64_t n, int cols, int64_t k0, int64_t pairs,
+                          int16_t* panel) {
+  using Vec = decltype(widen_pairs(w));
+  const int8_t zeros[2 * kVec] = {};
+  for (int c0 = 0; c0 < kPanel; c0 += kVec) {
+    int64_t p = 0;
+    for (; p + kVec <= pairs; p += kVec) {
+      Vec v[kVec];
+      for (int i = 0; i < kVec; ++i)
+        v[i] = widen_pairs(c0 + i < cols ? w + (n + c0 + i) * ldw + k0 + 2 * p : zeros);
+      transpose_lanes(v);
+      for (int e = 0; e < kVec; ++e) store_vec(panel + ((p + e) * kPanel + c0) * 2, v[e]);
+    }
+    for (; p < pairs; ++p)
+      for (int i = 0; i < kVec; ++i) {
+        const bool real = c0 + i < cols;
+        const int8_t* src = w + (n + c0 + i) * ldw + k0 + 2 * p;
+        panel[(p * kPanel + c0 + i) * 2] = real ? src[0] : 0;
+        panel[(p * kPanel + c0 + i) * 2 + 1] = real ? src[1] : 0;
+      }
+  }
+}
+
+// Inputs per block for a K: as even as kDepth allows (576 is two blocks of 288, not 512 and 64: a block's
+// sums are added to memory at its end), and even.
+inline int64_t depth_for(int64_t K) {
+  const int64_t blocks = (K + kDepth - 1) / kDepth;
+  const int64_t depth = (K + blocks - 1) / blocks;
+  return depth + (depth & 1);
+}
+
+}  // namespace qpack
