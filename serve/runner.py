@@ -19,15 +19,17 @@ native kernels take the per-layer loop, where q/k/v and gate/up projections that
 kernel call each (when they have the same scheme) and norms use the fused `rms_norm` op.
 
 Batch-invariant mode (`batch_invariant=True`, `qpack serve --batch-invariant`): by default a token's KV and
-logits depend slightly on how it was computed: a long prefill takes dense GEMMs and SDPA, a decode or short
-prefill the native kernels, and the two sum in different orders (up to 5e-3 apart in FP32). Blocks reused from
+logits depend slightly on how it was computed: a long prefill takes SDPA attention and, for float, bf16 and int4
+layers, dense GEMMs, a decode or short prefill the native kernels, and the two sum in different orders (up to
+5e-3 apart in FP32; int8 layers compute the same exact sums either way). Blocks reused from
 the prefix cache or the KV tiers then differ from the ones a fresh prefill would compute, and a near-tie in
 greedy decoding can go the other way. In this mode every token, prefill or decode, runs through the fused
-native step, `kernels.max_rows()` rows at a time, each prefill token as a row attending to its own causal
-prefix in the pool, and the LM head through the native kernel, whose per-row sums don't depend on the other
-rows. A token's KV and logits are then a function of the tokens before it alone: reused and recomputed blocks
-are the same bits, and outputs are the same with or without the tiers, whatever the batch. Prefill is slower
-(the weights are streamed once per `max_rows()` tokens instead of one GEMM); decode is unchanged.
+native step, `INVARIANT_ROWS` rows a call, each prefill token as a row attending to its own causal prefix in the
+pool, and the LM head through the native kernel, whose per-row sums don't depend on the other rows. A token's KV
+and logits are then a function of the tokens before it alone: reused and recomputed blocks are the same bits, and
+outputs are the same with or without the tiers, whatever the batch. Prefill is slower (row-by-row attention
+instead of SDPA, and float/bf16/int4 layers on the row kernels: a 512-token prompt of the int8 SmolLM2 on a
+2-core AMX Xeon, 0.9-1.2 s against 0.65 s); decode is unchanged.
 """
 
 from __future__ import annotations
@@ -131,6 +133,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 _NO_MASK = torch.zeros(0, dtype=torch.bool)
+
+# Rows per fused native call in batch-invariant mode: a 512-token prompt of the int8 SmolLM2 took 2.16 s at 32 rows
+# a call and 1.7-1.8 s at 256 or 512 (one GEMM instead of many weight passes; 2-core Xeon, before AMX), and the
+# call's scratch grows with its rows (per thread, for 8B widths ~0.3 GB at 1024 rows).
+INVARIANT_ROWS = 256
 
 
 @dataclass
@@ -441,9 +448,11 @@ class ModelRunner:
     def _rows_forward(
         self, batch: StepBatch, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        """All layers for every row of the step (batch-invariant mode), `kernels.max_rows()` rows per fused
-        native call. A row attends to keys 0..its position (the window's start with a sliding window) of its
-        request, which earlier calls, or earlier rows of the same call, have written to the pool.
+        """All layers for every row of the step (batch-invariant mode), `INVARIANT_ROWS` rows per fused native
+        call (a row's result doesn't depend on the rows beside it, so this bounds the call's scratch memory only;
+        a prompt's int8 layers then run as a GEMM, on AMX tiles where the CPU has them). A row attends to keys
+        0..its position (the window's start with a sliding window) of its request, which earlier calls, or
+        earlier rows of the same call, have written to the pool.
         hidden [T, H], cos/sin [T, d] -> hidden [T, H] after the last layer."""
         run = self.segments[0][2]
         assert run is not None and len(self.segments) == 1, "checked by _check_invariant"
@@ -453,7 +462,7 @@ class ModelRunner:
             if self.sliding_window is not None
             else torch.zeros_like(lengths)
         )
-        step = kernels.max_rows()
+        step = INVARIANT_ROWS
         out: list[torch.Tensor] = []
         for first in range(0, hidden.shape[0], step):
             rows = slice(first, min(first + step, hidden.shape[0]))

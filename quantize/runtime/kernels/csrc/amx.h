@@ -24,9 +24,16 @@ bool set_amx(bool on);
 // From this many activation rows an int8 product runs on AMX tiles when `amx_enabled()`.
 constexpr int64_t kAmxMinRows = 48;
 
+// Whether an int8 product of these activation rows runs on AMX tiles (its int32 tile sums stay exact up to 65536
+// inputs).
+inline bool amx_takes(int64_t M, int64_t K) { return M >= kAmxMinRows && K <= 65536 && amx_enabled(); }
+
 // The activation rows as AMX reads them: hi [Mp, Kp] int8 and lo [Mp, Kp] uint8 with q = 256 hi + lo, rows padded
 // to a multiple of 16 and inputs to a multiple of 64 with zeros (rows [m0, m1) of the real rows).
 void amx_split_rows(const Act& a, int64_t m0, int64_t m1, int8_t* hi, uint8_t* lo, int64_t Kp);
+
+// All of `a`'s (quantized) rows split into its own buffers, on this thread: a.amx_hi / a.amx_lo / a.amx_k set.
+void amx_split(Act& a);
 
 // Output columns [n0, n1) of an int8 linear for every row of `a` (split into a.amx_hi / a.amx_lo), stored as the
 // other int8 kernels store them.

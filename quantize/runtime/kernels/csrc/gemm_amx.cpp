@@ -149,6 +149,14 @@ void amx_split_rows(const Act& a, int64_t m0, int64_t m1, int8_t* hi, uint8_t* l
   }
 }
 
+void amx_split(Act& a) {
+  const int64_t Kp = (a.K + 63) / 64 * 64, Mp = (a.M + kTile - 1) / kTile * kTile;
+  a.amx_hi_rows.assign(Mp * Kp, 0);
+  a.amx_lo_rows.assign(Mp * Kp, 0);
+  amx_split_rows(a, 0, a.M, a.amx_hi_rows.data(), a.amx_lo_rows.data(), Kp);
+  a.amx_hi = a.amx_hi_rows.data(), a.amx_lo = a.amx_lo_rows.data(), a.amx_k = Kp;
+}
+
 __attribute__((target("amx-tile,amx-int8"))) void gemm_i8_amx(const Lin& L, const Act& a, float* y, int64_t ldy,
                                                                int64_t n0, int64_t n1, bool accumulate) {
   const int8_t* w = static_cast<const int8_t*>(L.w);
@@ -189,6 +197,7 @@ __attribute__((target("amx-tile,amx-int8"))) void gemm_i8_amx(const Lin& L, cons
 bool amx_enabled() { return false; }
 bool set_amx(bool) { return false; }
 void amx_split_rows(const Act&, int64_t, int64_t, int8_t*, uint8_t*, int64_t) {}
+void amx_split(Act&) {}
 void gemm_i8_amx(const Lin&, const Act&, float*, int64_t, int64_t, int64_t, bool) {}
 
 #endif

@@ -170,6 +170,7 @@ void gemm_i8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1
 
 void lin_cols_i8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
   a.quantize();
+  if (a.amx_hi == nullptr && amx_takes(a.M, a.K)) amx_split(a);  // a thread's own rows (decode_layers)
   if (a.amx_hi != nullptr) return gemm_i8_amx(L, a, y, ldy, n0, n1, accumulate);
   if (a.M >= kGemmMinRows && a.K % 2 == 0) return gemm_i8(L, a, y, ldy, n0, n1, accumulate);
   if (a.M >= kTileMinRows) return tiles_i8(L, a, y, ldy, n0, n1, accumulate);
@@ -299,7 +300,7 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, at::Tensor scale, at::Tensor 
   if (L.kind == at::kChar) {
     at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) { a.quantize_rows(begin, end); });
     a.quantized = true;
-    if (M >= kAmxMinRows && K <= 65536 && amx_enabled()) {  // int32 tile sums stay exact up to 65536 inputs
+    if (amx_takes(M, K)) {  // split once, by all threads, before they share it
       const int64_t Kp = (K + 63) / 64 * 64, Mp = (M + 15) / 16 * 16;
       amx_hi.assign(Mp * Kp, 0);
       amx_lo.assign(Mp * Kp, 0);

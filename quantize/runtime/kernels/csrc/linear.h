@@ -109,6 +109,8 @@ struct Act {
   int8_t* amx_hi = nullptr;  // q split for the AMX GEMM (amx.h), [Mp, amx_k] each, when it runs
   uint8_t* amx_lo = nullptr;
   int64_t amx_k = 0;
+  std::vector<int8_t> amx_hi_rows;  // where `amx_split` keeps them
+  std::vector<uint8_t> amx_lo_rows;
 
   // q4 and the per-group sums that the zero points multiply: once per activation and group size, not once
   // per weight row.
