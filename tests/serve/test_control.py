@@ -246,6 +246,22 @@ def test_the_batch_cap_follows_the_measured_tpot() -> None:
     assert floor.knobs == dataclasses.replace(ControlConfig().latency, top_tier_tokens=1024)  # never under it
 
 
+def test_a_top_tier_queued_past_the_seats_never_shrinks_the_batch() -> None:
+    """The top tier's first tokens late because more of its prompts wait than there are seats: that is a queue,
+    and a smaller batch would deepen it; the batch keeps its size (late because of long steps, with few waiting,
+    it still shrinks)."""
+    top_late = {"priority": 2.0}  # the priority tier's TTFT target is 1 s in TIERS
+    control = controller()
+    crowd = {"int8": Load({"priority": 40}, 32, 5, queued=8)}
+    control.step(Observation(0.0, {"priority": 40}, crowd))
+    for at in range(2, 40, 2):
+        queued = control.step(Observation(float(at), {"priority": 40}, crowd, ttft_p95=top_late))
+    assert queued.mode == THROUGHPUT and queued.knobs.max_num_seqs == 32
+    few = {"int8": Load({"priority": 2, "standard": 40}, 32, 5)}
+    late = control.step(Observation(42.0, {"standard": 40}, few, ttft_p95=top_late))
+    assert late.knobs.max_num_seqs == 24
+
+
 def test_a_step_never_takes_more_than_a_quarter_of_the_top_tiers_first_token_target() -> None:
     """The simulated server computes 1,000 tokens/s at full load (10 requests/s of 100 tokens): with the top
     tier's first token due within 2 s, a step may compute 500 tokens, not the 4,096 of the throughput preset
