@@ -32,7 +32,11 @@ inline bool amx_takes(int64_t M, int64_t K) { return M >= kAmxMinRows && K <= 65
 // to a multiple of 16 and inputs to a multiple of 64 with zeros (rows [m0, m1) of the real rows).
 void amx_split_rows(const Act& a, int64_t m0, int64_t m1, int8_t* hi, uint8_t* lo, int64_t Kp);
 
-// All of `a`'s (quantized) rows split into its own buffers, on this thread: a.amx_hi / a.amx_lo / a.amx_k set.
+// `a`'s own buffers for the split rows, zeroed and sized: a.amx_hi / a.amx_lo / a.amx_k set (rows then filled by
+// `amx_split_rows`, by one thread or several).
+void amx_alloc(Act& a);
+
+// All of `a`'s (quantized) rows split into its own buffers, on this thread.
 void amx_split(Act& a);
 
 // Output columns [n0, n1) of an int8 linear for every row of `a` (split into a.amx_hi / a.amx_lo), stored as the

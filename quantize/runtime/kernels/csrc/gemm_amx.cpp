@@ -148,12 +148,16 @@ void amx_split_rows(const Act& a, int64_t m0, int64_t m1, int8_t* hi, uint8_t* l
   }
 }
 
-void amx_split(Act& a) {
-  const int64_t Kp = (a.K + 63) / 64 * 64, Mp = (a.M + kTile - 1) / kTile * kTile;
+void amx_alloc(Act& a) {
+  const int64_t Kp = (a.K + kStep - 1) / kStep * kStep, Mp = (a.M + kTile - 1) / kTile * kTile;
   a.amx_hi_rows.assign(Mp * Kp, 0);
   a.amx_lo_rows.assign(Mp * Kp, 0);
-  amx_split_rows(a, 0, a.M, a.amx_hi_rows.data(), a.amx_lo_rows.data(), Kp);
   a.amx_hi = a.amx_hi_rows.data(), a.amx_lo = a.amx_lo_rows.data(), a.amx_k = Kp;
+}
+
+void amx_split(Act& a) {
+  amx_alloc(a);
+  amx_split_rows(a, 0, a.M, a.amx_hi, a.amx_lo, a.amx_k);
 }
 
 __attribute__((target("amx-tile,amx-int8"))) void gemm_i8_amx(const Lin& L, const Act& a, float* y, int64_t ldy,
@@ -196,6 +200,7 @@ __attribute__((target("amx-tile,amx-int8"))) void gemm_i8_amx(const Lin& L, cons
 bool amx_enabled() { return false; }
 bool set_amx(bool) { return false; }
 void amx_split_rows(const Act&, int64_t, int64_t, int8_t*, uint8_t*, int64_t) {}
+void amx_alloc(Act&) {}
 void amx_split(Act&) {}
 void gemm_i8_amx(const Lin&, const Act&, float*, int64_t, int64_t, int64_t, bool) {}
 

@@ -295,19 +295,14 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, at::Tensor scale, at::Tensor 
   std::vector<float> row_scale(M);
   Act a{xp, M, K, q.data(), row_scale.data(), q4.data(), group_sum.data()};
   if (L.kind == at::kByte) a.quantize4(L.group);  // before the threads share it
-  std::vector<int8_t> amx_hi;
-  std::vector<uint8_t> amx_lo;
   if (L.kind == at::kChar) {
     at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) { a.quantize_rows(begin, end); });
     a.quantized = true;
     if (amx_takes(M, K)) {  // split once, by all threads, before they share it
-      const int64_t Kp = (K + 63) / 64 * 64, Mp = (M + 15) / 16 * 16;
-      amx_hi.assign(Mp * Kp, 0);
-      amx_lo.assign(Mp * Kp, 0);
+      amx_alloc(a);
       at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-        amx_split_rows(a, begin, end, amx_hi.data(), amx_lo.data(), Kp);
+        amx_split_rows(a, begin, end, a.amx_hi, a.amx_lo, a.amx_k);
       });
-      a.amx_hi = amx_hi.data(), a.amx_lo = amx_lo.data(), a.amx_k = Kp;
     }
   }
   auto run = [&] {
