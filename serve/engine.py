@@ -32,7 +32,10 @@ from serve.metrics import Metrics
 from serve.request import Owner, Request, SamplingParams, SharedChain
 from serve.runner import ModelRunner
 from serve.sampler import sample
-from serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from serve.scheduler import Scheduled, Scheduler, SchedulerConfig, SchedulerOutput
+from serve.speculative.draft import DraftModel
+from serve.speculative.policy import SpeculationPolicy
+from serve.speculative.speculator import Speculator
 from serve.tiers.adapter import TierAdapter
 from serve.tiers.codec import BlockLayout
 from serve.tiers.stores import DiskStore, HostStore
@@ -84,6 +87,11 @@ class EngineConfig:
     session_ttl: float | None = None
     isolate_users: bool = False  # salt every request's prefix chain with its `user`
     model_hash: str = ""  # the artifact's content hash: stored blocks of another version are never read
+    # speculative decoding (serve/speculative): off, ngram (prompt lookup), draft (a draft model), auto (both)
+    speculative: str = "off"
+    speculative_k: int = 8  # most tokens proposed per step
+    speculative_max_batch: int = 4  # decoding sequences above which a step doesn't speculate
+    draft_kv_memory: str | float | int = "128MB"
 
 
 @dataclass
@@ -120,6 +128,18 @@ class EngineStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _merge(outputs: list[RequestOutput]) -> RequestOutput | None:
+    """One output for the tokens a request emitted in one step (a verifying step may emit several)."""
+    if len(outputs) <= 1:
+        return outputs[0] if outputs else None
+    last = outputs[-1]
+    return dataclasses.replace(
+        last,
+        text="".join(o.text for o in outputs),
+        token_ids=[t for o in outputs for t in o.token_ids],
+    )
+
+
 class Engine:
     def __init__(
         self,
@@ -127,6 +147,7 @@ class Engine:
         tokenizer: Any,
         config: EngineConfig = EngineConfig(),
         metrics: Metrics | None = None,
+        draft: nn.Module | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -179,6 +200,19 @@ class Engine:
             self.pool,
             self.tiers.fetch if self.tiers is not None else None,
             self.tiers.on_register if self.tiers is not None else None,
+        )
+        self.speculator = Speculator(
+            SpeculationPolicy(
+                config.speculative, k_max=config.speculative_k, max_batch=config.speculative_max_batch
+            ),
+            DraftModel(
+                draft, parse_memory(config.draft_kv_memory, device), config.block_size, config.kv_dtype
+            )
+            if draft is not None and config.speculative in ("draft", "auto")
+            else None,
+            self.runner.exact_rows(),
+            self.max_model_len,
+            self.metrics,
         )
         self.eos_ids = self._eos_ids()
         self.streams: dict[str, _Stream] = {}
@@ -499,36 +533,70 @@ class Engine:
                 self.metrics.preemptions.inc(len(scheduled.preempted))
             self._count_admitted(scheduled)
             self._update_gauges()
-            batch = self.runner.prepare(scheduled.scheduled) if scheduled.scheduled else None
+            plan = self.speculator.plan(scheduled, self.scheduler.running)
+            batch = (
+                self.runner.prepare(scheduled.scheduled) if scheduled.scheduled and not plan.wanted else None
+            )
+        if plan.wanted:
+            self.speculator.draft(plan)
+            with self._lock:
+                self.speculator.attach(plan, self.scheduler)
+                scheduled.scheduled = [i for i in scheduled.scheduled if not i.request.finished]
+                batch = self.runner.prepare(scheduled.scheduled) if scheduled.scheduled else None
         self._deliver(outputs)
         if batch is None:
             return bool(outputs)
         started = time.perf_counter()
         logits = self.runner.run(batch)
+        seconds = time.perf_counter() - started
+        self.speculator.observe_step(scheduled, seconds)
         prefill_tokens = scheduled.num_tokens - batch.num_decode
         if self.tiers is not None and prefill_tokens >= 4 * self.config.block_size:
-            self.tiers.prefill_per_token.add((time.perf_counter() - started) / scheduled.num_tokens)
-        sampling = self.runner.ordered(scheduled.scheduled)
+            self.tiers.prefill_per_token.add(seconds / scheduled.num_tokens)
         with self._lock:
             self.scheduler.commit(scheduled)
-            live = [
-                (row, item)
-                for row, item in enumerate(sampling)
-                if not item.request.finished and item.request.request_id in self.streams
-            ]
-            tokens = (
-                sample(logits[[row for row, _ in live]], [item.request for _, item in live]) if live else []
-            )
-            for (_row, item), token in zip(live, tokens, strict=True):
-                output = self._advance(self.streams[item.request.request_id], token)
-                if output is not None:
-                    outputs.append(output)
+            outputs += self._sample(scheduled, logits)
             self._update_gauges()
             self.stats.steps += 1
             self.stats.tokens += scheduled.num_tokens
             self.metrics.steps.inc()
         self._deliver(outputs)
         return True
+
+    def _sample(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        """Under the lock, after `commit`: each sampling request's next token, or the tokens a verifying request
+        keeps of its proposal (then its KV is settled to them); their outputs, one per request."""
+        plain: list[tuple[int, Scheduled]] = []
+        verifying: list[tuple[int, Scheduled]] = []
+        row = 0
+        for item in self.runner.ordered(scheduled.scheduled):
+            live = not item.request.finished and item.request.request_id in self.streams
+            if live:
+                (verifying if item.proposal else plain).append((row, item))
+            row += 1 + len(item.proposal)
+        outputs: list[RequestOutput] = []
+        tokens = sample(logits[[r for r, _ in plain]], [i.request for _, i in plain]) if plain else []
+        for (_row, item), token in zip(plain, tokens, strict=True):
+            output = self._advance(self.streams[item.request.request_id], token)
+            if output is not None:
+                outputs.append(output)
+        for row, item in verifying:
+            request = item.request
+            verdict = self.speculator.verify(item, logits[row : row + 1 + len(item.proposal)])
+            stream = self.streams[request.request_id]
+            emitted = []
+            for index, token in enumerate(verdict.tokens):
+                if request.finished:
+                    break
+                # the tokens before this one are computed (the proposals the target kept): registered before
+                # this one is emitted, as plain decoding registers them before sampling the next
+                self.scheduler.settle(request, item.start + 1 + index, trim=False)
+                emitted.append(self._advance(stream, token))
+            merged = _merge([o for o in emitted if o is not None])
+            if merged is not None:
+                outputs.append(merged)
+            self.scheduler.settle(request, item.start + 1 + verdict.accepted)
+        return outputs
 
     def _count_admitted(self, scheduled: SchedulerOutput) -> None:
         """Queue time, per tenant and tier, of the requests that got their first seat this step."""

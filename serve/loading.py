@@ -74,13 +74,45 @@ def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -
     )
 
 
-def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
+def load_draft(spec: str, loaded: LoadedModel) -> nn.Module:
+    """The draft model `spec` names for `loaded`: int4 or int4:G (re-quantized from it at load time), or an
+    artifact directory of the same model (same source weights, same vocabulary)."""
+    from quantize.formats.schemes import Int4
+    from serve.speculative.draft import quantized_copy
+
+    if spec == "int4" or spec.startswith("int4:"):
+        group = spec.partition(":")[2] or "64"
+        if not group.isdigit() or int(group) not in Int4.GROUP_SIZES:
+            raise QpackError(
+                f"`draft` {spec}: the group size must be one of {', '.join(map(str, Int4.GROUP_SIZES))}"
+            )
+        draft, replaced = quantized_copy(loaded.model, Int4(group_size=int(group)))
+        if replaced == 0:
+            raise QpackError(
+                f"`draft` {spec}: no linear of {loaded.name} can be re-quantized; use a draft artifact"
+            )
+        return draft
+    if not (Path(spec).expanduser() / "manifest.json").is_file():
+        raise QpackError(f"`draft` {spec} is neither int4[:G] nor an artifact directory (no manifest.json)")
+    other = load_for_serving(spec)
+    problems = []
+    if other.reference != loaded.reference:
+        problems.append(f"it was built from {other.reference_name}, not from {loaded.reference_name}")
+    vocab = (int(getattr(m.model.config, "vocab_size", 0)) for m in (other, loaded))
+    if len(set(vocab)) != 1:
+        problems.append("its vocabulary differs")
+    if problems:
+        raise QpackError(f"`draft` {spec} can't draft for {loaded.name}: {'; '.join(problems)}")
+    return other.model
+
+
+def build_engine(loaded: LoadedModel, config: EngineConfig, draft: nn.Module | None = None) -> Engine:
     """The engine, with the heap trimmed after it is built (fusing q/k/v and gate/up frees the unfused copies)."""
     from quantize.common.memory import trim_heap
 
     config = dataclasses.replace(config, model_hash=config.model_hash or loaded.content_hash)
     try:
-        engine = Engine(loaded.model, loaded.tokenizer, config)
+        engine = Engine(loaded.model, loaded.tokenizer, config, draft=draft)
     except ValueError as exc:
         raise QpackError(str(exc)) from None
     trim_heap()
@@ -123,8 +155,9 @@ def start_engine(
     if options.threads:
         torch.set_num_threads(options.threads)
     loaded = load_for_serving(target or options.target or "", options.dtype)
+    draft = load_draft(options.draft, loaded) if options.draft and options.speculative != "off" else None
     log("loading the native decode kernels (built once per machine: ~1 min the first time)...")
-    engine = build_engine(loaded, engine_config(options))
+    engine = build_engine(loaded, engine_config(options), draft)
     if options.compile:
         log("compiling the decode step (torch.compile)...")
         engine.warmup()
@@ -191,4 +224,8 @@ def engine_config(options: ServeOptions) -> EngineConfig:
         kv_codec=options.kv_codec,
         session_ttl=options.session_ttl,
         isolate_users=options.isolate_users,
+        speculative=options.speculative,
+        speculative_k=options.speculative_k,
+        speculative_max_batch=options.speculative_max_batch,
+        draft_kv_memory=options.draft_kv_memory,
     )

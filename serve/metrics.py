@@ -216,6 +216,32 @@ class Metrics:
             registry=r,
         )
 
+        self.spec_proposed = Counter(
+            "qpack_spec_proposed_tokens", "Speculative tokens proposed, per source", ["source"], registry=r
+        )
+        self.spec_accepted = Counter(
+            "qpack_spec_accepted_tokens",
+            "Speculative tokens the target accepted, per source",
+            ["source"],
+            registry=r,
+        )
+        self.spec_steps = Counter(
+            "qpack_spec_verify_steps",
+            "Requests' verifying steps (one target step checking proposals)",
+            registry=r,
+        )
+        self.spec_emitted = Counter(
+            "qpack_spec_emitted_tokens",
+            "Tokens emitted by verifying steps (accepted proposals + one)",
+            registry=r,
+        )
+        self.spec_acceptance = Gauge(
+            "qpack_spec_acceptance_rate", "Accepted / proposed speculative tokens so far", registry=r
+        )
+        self.spec_tokens_per_step = Gauge(
+            "qpack_spec_tokens_per_target_step", "Tokens emitted per verifying step so far", registry=r
+        )
+
         self.tenants = TenantUsage(r, "qpack", "Time from arrival to a seat in the batch")
 
     def tier_event(self, event: str, tier: str, value: float) -> None:

@@ -25,6 +25,7 @@ ROLES = ("single", "gateway", "worker", "all")
 KV_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CODECS = ("zstd", "zlib", "lz4", "none")  # of stored KV blocks (serve/tiers/codec.py)
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")  # serve/speculative/policy.py's MODES
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
 
@@ -103,6 +104,19 @@ class ServeOptions:
     prefill_dtype: str = DEFAULT_PREFILL_DTYPE
     """Precision of prefill-sized GEMMs of int8/int4 layers: float32 (every CPU, the default) or bfloat16 (faster
     where the CPU has AMX-BF16/AVX512-BF16, at a KL cost; emulated elsewhere)."""
+    speculative: str = "off"
+    """Speculative decoding at small batch: off, ngram (proposals looked up in the context), draft (proposed by
+    `draft`, a cheaper copy of the model) or auto (per step, whichever is expected to yield more). Greedy output
+    stays the same text; sampled output keeps the model's distribution."""
+    draft: str | None = None
+    """The draft model: an artifact of the same model (its int4 build) or int4 / int4:G (built from the served
+    model at load time, LM head included, group size G, default 64)."""
+    speculative_k: int = 8
+    """Most tokens proposed per step (fewer where the measured acceptance says so)."""
+    speculative_max_batch: int = 4
+    """Decoding sequences above which a step doesn't speculate (verification is no longer nearly free)."""
+    draft_kv_memory: str = "128MB"
+    """The draft model's own KV pool."""
     kv_host_memory: str = "0"
     """Host memory for KV blocks of returning conversations (T1), e.g. 2GB; 0: off."""
     kv_disk: str | None = None
@@ -216,7 +230,21 @@ class ServeOptions:
             "session_ttl",
             f"must be > 0 seconds (got {self.session_ttl})",
         )
-        for field in ("kv_memory", "kv_host_memory", "kv_disk_size"):
+        problems.check_choice(self.speculative, "speculative", SPECULATIVE_MODES)
+        problems.check(
+            self.speculative not in ("draft", "auto") or bool(self.draft),
+            "draft",
+            f"is required by speculative {self.speculative} (an int4 artifact of the model, or int4)",
+        )
+        problems.check(
+            1 <= self.speculative_k <= 15, "speculative_k", f"must be 1..15 (got {self.speculative_k})"
+        )
+        problems.check(
+            self.speculative_max_batch >= 1,
+            "speculative_max_batch",
+            f"must be at least 1 (got {self.speculative_max_batch})",
+        )
+        for field in ("kv_memory", "kv_host_memory", "kv_disk_size", "draft_kv_memory"):
             value = getattr(self, field)
             problems.check(_is_size(value), field, f"{value!r} is not a size (e.g. 2GB)")
 

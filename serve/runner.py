@@ -256,6 +256,10 @@ class ModelRunner:
         return mask
 
     def prepare(self, items: list[Scheduled]) -> StepBatch:
+        """The step's tensors. A decode with a `proposal` (speculative tokens) takes one decode row per token,
+        each attending to its own causal prefix in the pool, and all its rows are sampled: a row's result is what a
+        one-token decode at that position computes, bit for bit, when the step runs fused (decodes only, at most
+        `kernels.max_rows()` rows) or batch-invariant."""
         decodes = [i for i in items if i.num_new == 1]
         prefills = [i for i in items if i.num_new > 1]
         ordered = decodes + prefills
@@ -265,23 +269,28 @@ class ModelRunner:
         sample_rows: list[int] = []
         row = 0
         for item in ordered:
-            tokens = item.request.all_ids[item.start : item.start + item.num_new]
+            tokens = [*item.request.all_ids[item.start : item.start + item.num_new], *item.proposal]
+            end = item.start + len(tokens)
             ids.extend(tokens)
-            positions.append(torch.arange(item.start, item.start + item.num_new))
-            slots.append(self._slots(item.request.block_ids, item.start, item.start + item.num_new))
-            row += item.num_new
+            positions.append(torch.arange(item.start, end))
+            slots.append(self._slots(item.request.block_ids, item.start, end))
+            row += len(tokens)
             if item.samples:
-                sample_rows.append(row - 1)
-        num_decode = len(decodes)
-        width = max((i.start + 1 for i in decodes), default=0)
+                sample_rows.extend(range(row - 1 - len(item.proposal), row))
+        lengths = [p for i in decodes for p in range(i.start + 1, i.start + 2 + len(i.proposal))]
+        num_decode = len(lengths)
+        width = max(lengths, default=0)
         decode_slots = torch.zeros(num_decode, width, dtype=torch.int64)
         bounds: list[list[int]] = [[], []]
-        for index, item in enumerate(decodes):
-            length = item.start + 1
-            decode_slots[index, :length] = self._slots(item.request.block_ids, 0, length)
-            first = max(0, length - self.sliding_window) if self.sliding_window is not None else 0
-            bounds[0].append(first)
-            bounds[1].append(length)
+        index = 0
+        for item in decodes:
+            context_slots = self._slots(item.request.block_ids, 0, item.start + 1 + len(item.proposal))
+            for length in range(item.start + 1, item.start + 2 + len(item.proposal)):
+                decode_slots[index, :length] = context_slots[:length]
+                first = max(0, length - self.sliding_window) if self.sliding_window is not None else 0
+                bounds[0].append(first)
+                bounds[1].append(length)
+                index += 1
         prefill_meta = []
         start = num_decode
         for item in prefills:
@@ -516,6 +525,18 @@ class ModelRunner:
             and not torch.compiler.is_compiling()
         )
 
+    def exact_rows(self) -> int:
+        """How many decode rows (speculative ones included) a step may hold so that each row computes what a
+        one-token decode computes, bit for bit: any number in batch-invariant mode, up to `kernels.max_rows()`
+        when every layer runs in the fused native step, else 0 (speculation then can't keep greedy output)."""
+        if not self._native_attention or any(run is None for _start, _end, run in self.segments):
+            return 0
+        if self.batch_invariant:
+            return 1 << 30
+        head = self.lm_head
+        plain_head = type(head) is nn.Linear and head.weight.dtype == torch.float32
+        return kernels.max_rows() if plain_head or decode_part(head) is not None else 0
+
     def fused_covers(self, batch: StepBatch) -> bool:
         """Whether every layer of this step runs in the fused native decode step (then a compiled step has
         nothing left to speed up)."""
@@ -547,7 +568,8 @@ class ModelRunner:
         return self._forward(batch).to(torch.float32)
 
     def ordered(self, items: list[Scheduled]) -> list[Scheduled]:
-        """The items that sample, in the order `run` returns their logits."""
+        """The items that sample, in the order `run` returns their logits (a decode with a proposal has one row
+        of logits per token it verified: 1 + len(proposal))."""
         return [i for i in items if i.num_new == 1 and i.samples] + [
             i for i in items if i.num_new > 1 and i.samples
         ]

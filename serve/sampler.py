@@ -13,7 +13,7 @@ import hashlib
 
 import torch
 
-from serve.request import Request
+from serve.request import Request, SamplingParams
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -22,28 +22,36 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         return logits.argmax(dim=-1).tolist()
     tokens = []
     for row, request in enumerate(requests):
-        params = request.params
-        if params.greedy:
+        if request.params.greedy:
             tokens.append(int(logits[row].argmax()))
             continue
-        scores = logits[row] / params.temperature
-        if params.top_k > 0 and params.top_k < scores.shape[0]:
-            kth = torch.topk(scores, params.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if params.top_p < 1.0:
-            ordered, order = torch.sort(scores, descending=True)
-            probs = torch.softmax(ordered, dim=-1)
-            cumulative = torch.cumsum(probs, dim=-1)
-            drop = cumulative - probs > params.top_p  # keep the smallest prefix whose mass reaches top_p
-            ordered = ordered.masked_fill(drop, float("-inf"))
-            scores = torch.full_like(scores, float("-inf")).scatter(0, order, ordered)
-        probs = torch.softmax(scores, dim=-1)
-        assert request.generator is not None
-        request.generator.manual_seed(
-            token_seed(request.seed, request.sample_offset + len(request.output_ids))
-        )
-        tokens.append(int(torch.multinomial(probs, 1, generator=request.generator)))
+        probs = distribution(logits[row], request.params)
+        tokens.append(int(torch.multinomial(probs, 1, generator=seeded(request, 0))))
     return tokens
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from: logits [vocab] after temperature, top-k and top-p ->
+    probabilities [vocab]."""
+    scores = logits / params.temperature
+    if params.top_k > 0 and params.top_k < scores.shape[0]:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        cumulative = torch.cumsum(probs, dim=-1)
+        drop = cumulative - probs > params.top_p  # keep the smallest prefix whose mass reaches top_p
+        ordered = ordered.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(0, order, ordered)
+    return torch.softmax(scores, dim=-1)
+
+
+def seeded(request: Request, ahead: int) -> torch.Generator:
+    """The request's generator, seeded for its output token `ahead` places after the ones it has."""
+    assert request.generator is not None
+    index = request.sample_offset + len(request.output_ids) + ahead
+    return request.generator.manual_seed(token_seed(request.seed, index))
 
 
 def token_seed(seed: int, index: int) -> int:

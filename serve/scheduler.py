@@ -63,6 +63,8 @@ class Scheduled:
     request: Request
     start: int  # tokens already in the KV cache before this step
     num_new: int  # tokens computed this step
+    # speculative tokens verified after a decode's token (their KV is written, kept only where accepted: `settle`)
+    proposal: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -299,20 +301,46 @@ class Scheduler:
 
     def commit(self, out: SchedulerOutput) -> None:
         """After the model ran: advance progress and publish newly full blocks to the prefix cache."""
-        size = self.config.block_size
         for item in out.scheduled:
             request = item.request
             if request.finished:
                 continue
             request.num_computed = item.start + item.num_new
-            full = request.num_computed // size
-            if full > request.num_registered:
-                keys = request.keys(size)
-                for index in range(request.num_registered, full):
-                    self.pool.register(request.block_ids[index], keys[index])
-                    if self.on_register is not None:
-                        self.on_register(request, request.block_ids[index], keys[index])
-                request.num_registered = full
+            self._register_full(request)
+
+    def _register_full(self, request: Request) -> None:
+        """Register the request's blocks that its computed tokens fill (and tell `on_register`)."""
+        size = self.config.block_size
+        full = request.num_computed // size
+        if full > request.num_registered:
+            keys = request.keys(size)
+            for index in range(request.num_registered, full):
+                self.pool.register(request.block_ids[index], keys[index])
+                if self.on_register is not None:
+                    self.on_register(request, request.block_ids[index], keys[index])
+            request.num_registered = full
+
+    def reserve(self, request: Request, tokens: int) -> bool:
+        """Blocks for the first `tokens` positions of a running request (speculative rows beyond its tokens);
+        False, taking nothing, when the pool is short: speculation never preempts."""
+        return request.status is Status.RUNNING and self._grow(request, tokens)
+
+    def settle(self, request: Request, num_computed: int, trim: bool = True) -> None:
+        """After a verifying step: the KV of the first `num_computed` tokens is the request's. Full blocks are
+        registered (as a plain decode registers them before sampling its next token) and, with `trim`, blocks held
+        past them (rejected proposals) are freed, leaving the pool as if only the accepted tokens had been
+        computed. Nothing is registered (so nothing written through to the tiers) beyond them."""
+        if request.finished:
+            return
+        assert num_computed <= request.num_tokens, "only tokens the request has can be settled"
+        if trim:
+            keep = -(-num_computed // self.config.block_size)
+            surplus = request.block_ids[keep:]
+            if surplus:
+                self.pool.free(surplus)
+                del request.block_ids[keep:]
+        request.num_computed = num_computed
+        self._register_full(request)
 
     def kv_waste(self) -> tuple[int, int]:
         """(slots held by running requests, of which unused): only a request's last block can be partly empty,

@@ -90,6 +90,11 @@ class QuantLinear(nn.Module):
         """The tensors a decode step reads from this module per token."""
         return list(self.buffers())
 
+    def dense_weight(self) -> torch.Tensor | None:
+        """The weight this module computes with, as FP32 [out, in] (None where its format can't say: a
+        bitsandbytes layer); a cheaper copy of the model is quantized from it (speculative drafts)."""
+        return None
+
     @classmethod
     def fuse(cls, modules: list[Any]) -> QuantLinear | None:
         """One module of this class for `modules` (all of this class, one input), or None where it can't."""
@@ -284,6 +289,9 @@ class HalfLinear(QuantLinear):
     def decode_part(self) -> kernels.Part | None:
         return (self.weight, None, self.bias, None) if self.weight.dtype == torch.bfloat16 else None
 
+    def dense_weight(self) -> torch.Tensor | None:
+        return self.weight.to(torch.float32)
+
     def decode_tensors(self) -> list[torch.Tensor]:
         return [self.weight]
 
@@ -368,6 +376,9 @@ class Int8Linear(QuantLinear):
 
     def decode_tensors(self) -> list[torch.Tensor]:
         return [self.qweight, self.scale]
+
+    def dense_weight(self) -> torch.Tensor | None:
+        return P.dequantize_int8(self.qweight[:, : self.in_features], self.scale)
 
     @classmethod
     def fuse(cls, modules: list[Any]) -> Int8Linear:
@@ -492,6 +503,10 @@ class Int4Linear(QuantLinear):
         if kernels.ready() and self.native_ok():
             return [self.qweight, self.scale, self.zero_point]
         return list(self._packed())
+
+    def dense_weight(self) -> torch.Tensor | None:
+        q = P.unpack_int4(self.qweight)
+        return P.dequantize_int4(q, self.scale, self.zero_point, self.group_size)[:, : self.in_features]
 
     @classmethod
     def fuse(cls, modules: list[Any]) -> Int4Linear | None:
