@@ -78,7 +78,7 @@ def load_draft(spec: str, loaded: LoadedModel) -> nn.Module:
     """The draft model `spec` names for `loaded`: int4 or int4:G (re-quantized from it at load time), or an
     artifact directory of the same model (same source weights, same vocabulary)."""
     from quantize.formats.schemes import Int4
-    from serve.speculative.draft import quantized_copy
+    from serve.speculative.draft import quantize_head, quantized_copy
 
     if spec == "int4" or spec.startswith("int4:"):
         group = spec.partition(":")[2] or "64"
@@ -103,6 +103,7 @@ def load_draft(spec: str, loaded: LoadedModel) -> nn.Module:
         problems.append("its vocabulary differs")
     if problems:
         raise QpackError(f"`draft` {spec} can't draft for {loaded.name}: {'; '.join(problems)}")
+    quantize_head(other.model, Int4(group_size=64)) or quantize_head(other.model, Int4(group_size=32))
     return other.model
 
 

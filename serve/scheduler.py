@@ -68,8 +68,9 @@ class Scheduled:
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the request's last token, so a next token is sampled."""
-        return self.start + self.num_new == self.request.num_tokens
+        """Whether this step reaches the request's last token, so a next token is sampled (the proposal's rows
+        go past it, or, for a draft model catching up, are its last tokens)."""
+        return self.start + self.num_new + len(self.proposal) >= self.request.num_tokens
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """A draft model: a cheaper copy of the served model that proposes tokens greedily, with its own KV pool.
 
 The draft is either another artifact of the same model (`--draft DIR`: say, its int4 build beside the served
-int8 one) or built at load time from the served model itself (`--draft int4`): every linear that can say its
-weight (`QuantLinear.dense_weight`), the LM head included, re-quantized to int4 with RTN. The draft only proposes,
+int8 one; its FP32 LM head is re-quantized to int4 at load) or built at load time from the served model itself
+(`--draft int4`): every linear that can say its weight (`QuantLinear.dense_weight`), the LM head included,
+re-quantized to int4 with RTN. The draft only proposes,
 so its quality costs acceptance, never correctness; embeddings, norms and anything it doesn't re-quantize are the
 served model's own tensors, shared, not copied.
 
@@ -16,6 +17,7 @@ Everything runs on the engine's thread.
 from __future__ import annotations
 
 import copy
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -59,6 +61,20 @@ def quantized_copy(model: nn.Module, scheme: Int4) -> tuple[nn.Module, int]:
     return copy.deepcopy(model, memo), replaced
 
 
+def quantize_head(model: nn.Module, scheme: Int4) -> bool:
+    """Replace the model's LM head (a draft's: an artifact keeps it FP32, the product rule for what is served)
+    with `scheme` RTN: at SmolLM2's widths the FP32 head is half of what a decode step reads. False where its
+    weight can't be read or doesn't fit the scheme."""
+    head = model.get_submodule("lm_head")
+    weight = _dense(head)
+    if weight is None or scheme.problems(weight.shape[1], weight.shape[0]):
+        return False
+    handler = handler_for(scheme)
+    quantized = handler.build(scheme, handler.quantize(scheme, weight), getattr(head, "bias", None), weight.device)
+    model.set_submodule("lm_head", quantized)
+    return True
+
+
 @dataclass(eq=False)
 class _Sequence:
     request: Request  # its prompt_ids: the tokens the draft has seen (computed: the first `computed` of them)
@@ -84,6 +100,8 @@ class DraftModel:
         self.runner = ModelRunner(model, layout, num_blocks, block_size)
         self.sequences: OrderedDict[str, _Sequence] = OrderedDict()
         self.kv_bytes = layout.memory_for(num_blocks, block_size)
+        self.catch_up_rows = 16
+        self.step_seconds, self.steps = 0.0, 0  # the last `propose`'s decode-row steps (prefills excluded)
 
     def retain(self, request_ids: set[str]) -> None:
         """Drop the sequences of requests no longer decoding."""
@@ -107,7 +125,7 @@ class DraftModel:
             limit = min(sequence.computed, len(tokens))
             while common < limit and seen[common] == tokens[common]:
                 common += 1
-            sequence.computed = common
+            sequence.computed = min(common, len(tokens) - 1)  # the last token's logits are what it proposes from
             sequence.request.prompt_ids = list(tokens)
         self.sequences[request_id] = sequence  # most recently used last
         return sequence
@@ -142,22 +160,37 @@ class DraftModel:
             else:
                 self._drop(request_id)
         proposals: dict[str, list[int]] = {request_id: [] for request_id, _s, _k in active}
+        self.step_seconds, self.steps = 0.0, 0
         while active:
-            items = [
-                Scheduled(s.request, s.computed, len(s.request.prompt_ids) - s.computed)
-                for _r, s, _k in active
-            ]
+            items = [self._item(s) for _r, s, _k in active]
+            started = time.perf_counter()
             logits = self.runner.run(self.runner.prepare(items))
-            order = self.runner.ordered(items)
-            nexts = logits.argmax(dim=-1).tolist()
-            by_request = {id(item.request): token for item, token in zip(order, nexts, strict=True)}
+            if all(item.num_new == 1 for item in items):  # a prompt's prefill is a one-off, not a per-token cost
+                self.step_seconds += time.perf_counter() - started
+                self.steps += 1
+            last: dict[int, int] = {}
+            row = 0
+            for item in self.runner.ordered(items):
+                row += 1 + len(item.proposal)
+                last[id(item.request)] = row - 1
+            nexts = logits[list(last.values())].argmax(dim=-1).tolist()
+            by_request = dict(zip(last, nexts, strict=True))
             still: list[tuple[str, _Sequence, int]] = []
             for request_id, sequence, k in active:
-                token = by_request[id(sequence.request)]
+                token = int(by_request[id(sequence.request)])
                 sequence.computed = len(sequence.request.prompt_ids)
-                proposals[request_id].append(int(token))
+                proposals[request_id].append(token)
                 if len(proposals[request_id]) < k:
-                    sequence.request.prompt_ids.append(int(token))
+                    sequence.request.prompt_ids.append(token)
                     still.append((request_id, sequence, k))
             active = still
         return proposals
+
+    def _item(self, sequence: _Sequence) -> Scheduled:
+        """The draft step computing a sequence's uncomputed tokens: a few (the tokens the target emitted since
+        the last proposal) as decode rows of the fused native step, a prompt as a prefill."""
+        tokens = sequence.request.prompt_ids
+        start, count = sequence.computed, len(tokens) - sequence.computed
+        if count <= self.catch_up_rows:
+            return Scheduled(sequence.request, start, 1, tokens[start + 1 :])
+        return Scheduled(sequence.request, start, count)

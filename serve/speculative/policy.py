@@ -2,6 +2,9 @@
 
 Pure and clock-free (the engine feeds it what it measured), so simulated acceptance traces test it.
 
+Costs are in units of a plain batch-1 step, measured: the engine runs one plain step first and then one every
+`calibrate_every` batch-1 steps, and times verifying steps and the draft model's decode-row steps against it.
+
 The model: proposals are accepted one after another with probability `alpha` each (the request's measured
 acceptance, a decayed count of accepted and rejected proposals), so k proposals yield
 E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per verifying step (the last row always gives one). The step costs
@@ -104,6 +107,7 @@ class SpeculationPolicy:
     k_max: int = 8
     max_batch: int = 4  # sequences decoding in a step above which speculation is off
     probe_every: int = 16
+    calibrate_every: int = 32  # batch-1 steps between plain ones, which measure the cost unit
     priors: dict[str, float] = field(default_factory=lambda: {"ngram": 0.5, "draft": 0.7})
     costs: Costs = field(default_factory=Costs)
 

@@ -94,6 +94,7 @@ class Speculator:
         self.steps = 0
         self.emitted = 0
         self._source: dict[int, str] = {}  # id(item) -> the source of the proposal it carries this step
+        self._since_plain = 0  # batch-1 steps since the last plain one
 
     def plan(self, out: SchedulerOutput, running: list[Request]) -> Plan:
         """Under the engine's lock: the step's decodes that will speculate, with their prompt-lookup proposals
@@ -107,6 +108,11 @@ class Speculator:
         plan = Plan()
         if not self.enabled or any(i.num_new != 1 for i in items) or not self.policy.active(len(items)):
             return plan
+        if len(items) == 1:
+            self._since_plain += 1
+            if self.policy.costs.step_seconds <= 0 or self._since_plain > self.policy.calibrate_every:
+                self._since_plain = 0  # a plain batch-1 step now and then: the unit every cost is measured in
+                return plan
         spare = self.exact_rows - len(items)
         for item in items:
             request = item.request
@@ -146,15 +152,15 @@ class Speculator:
         if not asked or self.draft_model is None:
             return
         started = time.perf_counter()
-        proposals = self.draft_model.propose(asked)
+        draft = self.draft_model
+        proposals = draft.propose(asked)
         plan.draft_seconds = time.perf_counter() - started
         for wanted in plan.wanted:
             found = proposals.get(wanted.item.request.request_id)
             if found is not None:
                 wanted.proposals["draft"] = found
-        if len(asked) == 1:
-            tokens = max(len(p) for p in proposals.values()) if proposals else 0
-            self.policy.costs.observe_proposal("draft", tokens, plan.draft_seconds)
+        if len(asked) == 1 and draft.steps:
+            self.policy.costs.observe_proposal("draft", draft.steps, draft.step_seconds)
 
     def attach(self, plan: Plan, scheduler: Scheduler) -> int:
         """Under the lock again: each request's chosen proposal, with blocks for its rows; the rows added."""
