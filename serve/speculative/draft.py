@@ -70,7 +70,9 @@ def quantize_head(model: nn.Module, scheme: Int4) -> bool:
     if weight is None or scheme.problems(weight.shape[1], weight.shape[0]):
         return False
     handler = handler_for(scheme)
-    quantized = handler.build(scheme, handler.quantize(scheme, weight), getattr(head, "bias", None), weight.device)
+    quantized = handler.build(
+        scheme, handler.quantize(scheme, weight), getattr(head, "bias", None), weight.device
+    )
     model.set_submodule("lm_head", quantized)
     return True
 
@@ -102,11 +104,17 @@ class DraftModel:
         self.kv_bytes = layout.memory_for(num_blocks, block_size)
         self.catch_up_rows = 16
         self.step_seconds, self.steps = 0.0, 0  # the last `propose`'s decode-row steps (prefills excluded)
+        self.prefill_seconds, self.prefill_tokens = 0.0, 0  # and its prefills
 
     def retain(self, request_ids: set[str]) -> None:
         """Drop the sequences of requests no longer decoding."""
         for request_id in [r for r in self.sequences if r not in request_ids]:
             self._drop(request_id)
+
+    def uncomputed(self, request_id: str, tokens: int) -> int:
+        """Context tokens the draft must read before proposing for this request (all of them if it holds none)."""
+        sequence = self.sequences.get(request_id)
+        return tokens if sequence is None else 0
 
     def _drop(self, request_id: str) -> None:
         sequence = self.sequences.pop(request_id)
@@ -125,7 +133,9 @@ class DraftModel:
             limit = min(sequence.computed, len(tokens))
             while common < limit and seen[common] == tokens[common]:
                 common += 1
-            sequence.computed = min(common, len(tokens) - 1)  # the last token's logits are what it proposes from
+            sequence.computed = min(
+                common, len(tokens) - 1
+            )  # the last token's logits are what it proposes from
             sequence.request.prompt_ids = list(tokens)
         self.sequences[request_id] = sequence  # most recently used last
         return sequence
@@ -161,13 +171,20 @@ class DraftModel:
                 self._drop(request_id)
         proposals: dict[str, list[int]] = {request_id: [] for request_id, _s, _k in active}
         self.step_seconds, self.steps = 0.0, 0
+        self.prefill_seconds, self.prefill_tokens = 0.0, 0
         while active:
             items = [self._item(s) for _r, s, _k in active]
             started = time.perf_counter()
             logits = self.runner.run(self.runner.prepare(items))
-            if all(item.num_new == 1 for item in items):  # a prompt's prefill is a one-off, not a per-token cost
-                self.step_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            if all(
+                item.num_new == 1 for item in items
+            ):  # a prompt's prefill is a one-off, not a per-token cost
+                self.step_seconds += seconds
                 self.steps += 1
+            else:
+                self.prefill_seconds += seconds
+                self.prefill_tokens += sum(item.num_new for item in items)
             last: dict[int, int] = {}
             row = 0
             for item in self.runner.ordered(items):

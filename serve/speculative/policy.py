@@ -13,7 +13,9 @@ E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per verifying step (the last row a
 lookup; a draft model's step time over the target's). The policy picks the k in 0..k_max that maximizes
 E(k) / cost(k); k = 0 is plain decoding (ratio 1). A source whose acceptance fell so low that k = 0 wins is probed
 again with one token every `probe_every` steps, so it can recover when the text changes (a quoted passage).
-`auto` takes, per step, the source with the larger expected speed-up among those that have a proposal.
+A source that must first read the context (the draft model's prefill of the prompt) starts on a request only
+when the plain steps it is expected to save over the tokens left outweigh that one-off cost (measured per context
+token). `auto` takes, per step, the source with the larger expected speed-up among those that have a proposal.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Costs:
 
     verify_row: float = 0.08
     propose: dict[str, float] = field(default_factory=lambda: {"ngram": 0.0, "draft": 0.35})
+    # a source's one-off cost per context token when it starts on a request (the draft's prompt prefill)
+    prefill: dict[str, float] = field(default_factory=lambda: {"ngram": 0.0, "draft": 0.05})
     smoothing: float = 0.1
     step_seconds: float = 0.0  # the plain step's time, the unit (0: not measured yet)
 
@@ -71,6 +75,10 @@ class Costs:
     def observe_proposal(self, source: str, tokens: int, seconds: float) -> None:
         if self.step_seconds > 0 and tokens > 0:
             self.propose[source] = self._mix(self.propose[source], seconds / tokens / self.step_seconds)
+
+    def observe_prefill(self, source: str, tokens: int, seconds: float) -> None:
+        if self.step_seconds > 0 and tokens > 0:
+            self.prefill[source] = self._mix(self.prefill[source], seconds / tokens / self.step_seconds)
 
     def _mix(self, old: float, new: float) -> float:
         return (1.0 - self.smoothing) * old + self.smoothing * new
@@ -128,13 +136,24 @@ class SpeculationPolicy:
         """A new request's acceptance per source (from the priors)."""
         return {source: Acceptance.starting(self.priors[source]) for source in self.sources}
 
-    def plan(self, acceptance: dict[str, Acceptance], room: int) -> dict[str, int]:
+    def plan(
+        self, acceptance: dict[str, Acceptance], room: int, starting: dict[str, int] | None = None
+    ) -> dict[str, int]:
         """How many tokens each source should propose for a request this step (at most `room`: what its
-        max_tokens and context leave); sources whose k is 0 are probed with 1 every `probe_every` steps."""
+        max_tokens and context leave). A source whose k is 0 is probed with 1 every `probe_every` steps, unless
+        even certain acceptance could not pay for it (its measured cost per token). `starting[source]`: context
+        tokens the source must first read for this request (the draft model's prompt prefill): it starts only
+        when the steps it is expected to save over the `room` left outweigh that one-off cost."""
         ks: dict[str, int] = {}
         for source, seen in acceptance.items():
-            k, _gain = best_k(seen.rate, self._per_token(source), min(self.k_max, room))
-            if k == 0 and room > 0:
+            per_token = self._per_token(source)
+            k, gain = best_k(seen.rate, per_token, min(self.k_max, room))
+            context = (starting or {}).get(source, 0)
+            if k > 0 and context > 0:
+                saved = room * (1.0 - 1.0 / gain)  # plain steps saved over what is left, at the expected gain
+                if saved <= context * self.costs.prefill[source]:
+                    k = 0
+            if k == 0 and room > 0 and not context and best_k(1.0, per_token, self.k_max)[0] > 0:
                 seen.idle_steps += 1
                 if seen.idle_steps >= self.probe_every:
                     k, seen.idle_steps = 1, 0

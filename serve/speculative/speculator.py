@@ -125,7 +125,12 @@ class Speculator:
             if room <= 0:
                 continue
             seen = self.acceptance.setdefault(request.request_id, self.policy.start())
-            ks = self.policy.plan(seen, room)
+            starting = (
+                {"draft": self.draft_model.uncomputed(request.request_id, request.num_tokens)}
+                if self.draft_model is not None
+                else None
+            )
+            ks = self.policy.plan(seen, room, starting)
             if not any(ks.values()):
                 continue
             wanted = _Wanted(item, ks)
@@ -161,6 +166,8 @@ class Speculator:
                 wanted.proposals["draft"] = found
         if len(asked) == 1 and draft.steps:
             self.policy.costs.observe_proposal("draft", draft.steps, draft.step_seconds)
+        if draft.prefill_tokens:
+            self.policy.costs.observe_prefill("draft", draft.prefill_tokens, draft.prefill_seconds)
 
     def attach(self, plan: Plan, scheduler: Scheduler) -> int:
         """Under the lock again: each request's chosen proposal, with blocks for its rows; the rows added."""

@@ -147,3 +147,21 @@ def test_costs_are_measured_in_plain_steps() -> None:
     costs.observe_proposal("draft", 4, 0.012)
     assert abs(costs.verify_row - 0.1) < 1e-9
     assert abs(costs.propose["draft"] - 0.3) < 1e-9
+
+
+def test_a_draft_starts_only_when_the_tokens_left_repay_its_prefill() -> None:
+    costs = Costs(
+        verify_row=0.05, propose={"ngram": 0.0, "draft": 0.2}, prefill={"ngram": 0.0, "draft": 0.01}
+    )
+    policy = SpeculationPolicy("draft", costs=costs)
+    seen = {"draft": Acceptance(9.0, 1.0)}
+    assert policy.plan(seen, room=100, starting={"draft": 500})["draft"] > 0  # saves ~60 steps for 5
+    assert policy.plan(seen, room=8, starting={"draft": 2000})["draft"] == 0  # saves ~5 steps for 20
+    assert policy.plan(seen, room=8, starting={"draft": 0})["draft"] > 0  # already started: no one-off cost
+
+
+def test_a_source_that_cannot_pay_even_when_always_accepted_is_never_probed() -> None:
+    costs = Costs(verify_row=0.1, propose={"ngram": 0.0, "draft": 0.95})
+    policy = SpeculationPolicy("draft", probe_every=2, costs=costs)
+    seen = {"draft": Acceptance(10.0, 0.0)}
+    assert [policy.plan(seen, room=8)["draft"] for _ in range(6)] == [0] * 6
