@@ -375,6 +375,7 @@ class Engine:
                 admission_wait=knobs.admission_wait,
                 top_tier_tokens=knobs.top_tier_tokens,
             )
+            self.speculator.enabled = knobs.speculate and self.speculator.policy.mode != "off"
             self._wake.notify()
 
     def load(self) -> Load:

@@ -34,10 +34,16 @@ class DecodeConfig:
     """Run the artifact with its torch.compile'd decode step (as `serve --compile`)."""
     prefill_dtype: str = DEFAULT_PREFILL_DTYPE
     """Precision of the artifact's prefill-sized GEMMs: float32 or bfloat16 (as `serve --prefill-dtype`)."""
+    speculative: str = "off"
+    """Speculative decoding on the artifact (ngram, draft or auto, as `serve --speculative`): it then also runs
+    without, alternating, and the prompts are ShareGPT text instead of random ids (proposals need real text)."""
+    draft: str | None = None
+    """The draft model for speculative draft/auto (as `serve --draft`; default int4)."""
 
     def validate(self) -> None:
         problems = Problems()
         problems.check(bool(self.batches) and min(self.batches) >= 1, "batches", "must be positive integers")
+        problems.check_choice(self.speculative, "speculative", ("off", "ngram", "draft", "auto"))
         problems.check(self.prompt_tokens >= 1, "prompt_tokens", f"must be >= 1 (got {self.prompt_tokens})")
         problems.check(self.new_tokens >= 2, "new_tokens", f"must be >= 2 (got {self.new_tokens})")
         problems.check(self.repeats >= 1, "repeats", f"must be >= 1 (got {self.repeats})")

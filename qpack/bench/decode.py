@@ -68,13 +68,49 @@ def _random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list
 _PROFILE_PROMPT = 64
 
 
+def text_prompts(tokenizer: Any, batch: int, length: int, seed: int) -> list[list[int]]:
+    """`batch` prompts of exactly `length` tokens of real text: chat-templated ShareGPT first turns, each cut to
+    its last `length` tokens (shorter ones joined with the turns after them), in a seeded order."""
+    import random
+
+    from calibrate.sources import default_queries_path, read_source
+
+    conversations = read_source(default_queries_path()).conversations
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)
+    prompts: list[list[int]] = []
+    pending: list[int] = []
+    for index in order:
+        turns = conversations[index]
+        if not turns or turns[0].role != "user" or not turns[0].content.strip():
+            continue
+        text = turns[0].content.strip()
+        if getattr(tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": text}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        pending = pending + list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(pending) >= length:
+            prompts.append(pending[-length:])
+            pending = []
+            if len(prompts) == batch:
+                return prompts
+    raise ValueError(f"the bundled ShareGPT export holds fewer than {batch} prompts of {length} tokens")
+
+
 class _Artifact:
     def __init__(
-        self, path: str, max_batch: int, max_len: int, compile_decode: bool, prefill_dtype: str
+        self,
+        path: str,
+        max_batch: int,
+        max_len: int,
+        compile_decode: bool,
+        prefill_dtype: str,
+        speculative: str = "off",
+        draft: str | None = None,
     ) -> None:
         from serve.engine import EngineConfig
         from serve.kv_cache import KVLayout
-        from serve.loading import build_engine, load_for_serving
+        from serve.loading import build_engine, load_draft, load_for_serving
 
         loaded = load_for_serving(path)  # as `qpack serve` loads it
         self.model = loaded.model
@@ -89,16 +125,23 @@ class _Artifact:
             enable_prefix_caching=False,
             compile=compile_decode,
             prefill_dtype=prefill_dtype,
+            speculative=speculative,
         )
-        self.engine = build_engine(loaded, config)
+        drafting = speculative in ("draft", "auto")
+        self.speculative = speculative
+        self.engine = build_engine(loaded, config, load_draft(draft or "int4", loaded) if drafting else None)
         self.numerics = self.engine.numerics()
         if compile_decode:
             self.engine.warmup()
         self.name += " (compiled)" if compile_decode else ""
 
-    def run(self, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    def run(self, prompts: list[list[int]], new_tokens: int, speculate: bool = True) -> dict[str, float]:
+        """Prefill and decode seconds of one batch (with the engine's speculation, or `speculate` False without)."""
         from serve.request import SamplingParams
 
+        speculator = self.engine.speculator
+        speculator.enabled = speculate and self.speculative != "off"
+        before = speculator.summary()
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         first: dict[str, float] = {}
         done: dict[str, float] = {}
@@ -116,7 +159,13 @@ class _Artifact:
             self.engine.step()
         prefill_end = max(first.values())
         end = max(done.values())
-        return {"prefill_s": prefill_end - started, "decode_s": end - prefill_end}
+        spec = speculator.summary().since(before)
+        return {
+            "prefill_s": prefill_end - started,
+            "decode_s": end - prefill_end,
+            "spec_acceptance": spec.acceptance,
+            "spec_tokens_per_step": spec.tokens_per_step,
+        }
 
     def profile(self, new_tokens: int, vocab: int) -> dict[str, Any]:
         """Where one batch-1 decode step's time goes."""
@@ -232,7 +281,13 @@ def worker_main() -> None:
     rss = _PeakRss()
     side: Any = (
         _Artifact(
-            spec["target"], spec["max_batch"], spec["max_len"], bool(spec["compile"]), spec["prefill_dtype"]
+            spec["target"],
+            spec["max_batch"],
+            spec["max_len"],
+            bool(spec["compile"]),
+            spec["prefill_dtype"],
+            spec.get("speculative", "off"),
+            spec.get("draft"),
         )
         if spec["kind"] == "artifact"
         else _Reference(spec["target"])
@@ -257,11 +312,18 @@ def worker_main() -> None:
         if command.get("profile"):
             print(json.dumps(side.profile(command["new_tokens"], vocab)), flush=True)
             continue
-        prompts = _random_prompts(command["batch"], command["prompt_tokens"], vocab, command["seed"])
+        prompts = command.get("prompts") or _random_prompts(
+            command["batch"], command["prompt_tokens"], vocab, command["seed"]
+        )
         gc.collect()
         trim_heap()
         rss.reset()
-        result = side.run(prompts, command["new_tokens"])
+        plain = command.get("speculate") is False
+        result = (
+            side.run(prompts, command["new_tokens"], False)
+            if plain
+            else side.run(prompts, command["new_tokens"])
+        )
         result["peak_rss_bytes"] = rss.peak
         print(json.dumps(result), flush=True)
     rss.close()
@@ -276,6 +338,8 @@ class Worker:
         max_len: int,
         compile_decode: bool = False,
         prefill_dtype: str = "float32",
+        speculative: str = "off",
+        draft: str | None = None,
     ) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from qpack.bench.decode import worker_main; worker_main()"],
@@ -291,6 +355,8 @@ class Worker:
                 "max_len": max_len,
                 "compile": compile_decode,
                 "prefill_dtype": prefill_dtype,
+                "speculative": speculative,
+                "draft": draft,
             }
         )
 
@@ -311,6 +377,12 @@ class Worker:
             self.process.wait(timeout=30)
 
 
+def _tokenizer(config: DecodeConfig) -> Any:
+    from quantize.model.sources import load_tokenizer
+
+    return load_tokenizer(config.artifact)
+
+
 def run_decode_bench(config: DecodeConfig, progress: Any = None) -> dict[str, Any]:
     from qpack.bench.sysinfo import machine_info, measure_bandwidth
     from quantize.io.artifact import read_manifest
@@ -322,23 +394,41 @@ def run_decode_bench(config: DecodeConfig, progress: Any = None) -> dict[str, An
     probe = measure_bandwidth()
     bandwidth = probe.median_gbs
     artifact = Worker(
-        "artifact", str(config.artifact), max(config.batches), max_len, config.compile, config.prefill_dtype
+        "artifact",
+        str(config.artifact),
+        max(config.batches),
+        max_len,
+        config.compile,
+        config.prefill_dtype,
+        config.speculative,
+        config.draft,
     )
     baseline = Worker("reference", reference, max(config.batches), max_len)
+    speculating = config.speculative != "off"
+    tokenizer = _tokenizer(config) if speculating else None
     runs: dict[str, dict[int, list[dict[str, float]]]] = {"artifact": {}, "reference": {}}
+    if speculating:
+        runs["artifact_plain"] = {}
     try:
         total = len(config.batches) * config.repeats
         done = 0
         for repeat in range(config.repeats):
             for batch in config.batches:
-                command = {
+                command: dict[str, Any] = {
                     "batch": batch,
                     "prompt_tokens": config.prompt_tokens,
                     "new_tokens": config.new_tokens,
                     "seed": config.seed + repeat,
                 }
-                for side, worker in (("artifact", artifact), ("reference", baseline)):
-                    runs[side].setdefault(batch, []).append(worker.call(command))
+                if tokenizer is not None:
+                    command["prompts"] = text_prompts(
+                        tokenizer, batch, config.prompt_tokens, config.seed + repeat
+                    )
+                sides = [("artifact", artifact, True), ("reference", baseline, True)]
+                if speculating:
+                    sides.insert(1, ("artifact_plain", artifact, False))
+                for side, worker, speculate in sides:
+                    runs[side].setdefault(batch, []).append(worker.call({**command, "speculate": speculate}))
                 done += 1
                 if progress is not None:
                     progress(done, total)
@@ -363,6 +453,9 @@ def run_decode_bench(config: DecodeConfig, progress: Any = None) -> dict[str, An
             "prompt_tokens": config.prompt_tokens,
             "new_tokens": config.new_tokens,
             "repeats": config.repeats,
+            "speculative": config.speculative,
+            "draft": config.draft if config.speculative in ("draft", "auto") else None,
+            "prompts": "ShareGPT text" if speculating else "random token ids",
         },
         "rows": rows,
         "bound": {
@@ -385,7 +478,7 @@ def _rows(config: DecodeConfig, runs: dict[str, dict[int, list[dict[str, float]]
     rows = []
     for batch in config.batches:
         row: dict[str, Any] = {"batch": batch}
-        for side in ("artifact", "reference"):
+        for side in [s for s in ("artifact", "artifact_plain", "reference") if s in runs]:
             samples = runs[side][batch]
             prefill = statistics.median(batch * config.prompt_tokens / r["prefill_s"] for r in samples)
             decode = statistics.median(batch * (config.new_tokens - 1) / r["decode_s"] for r in samples)
@@ -398,5 +491,12 @@ def _rows(config: DecodeConfig, runs: dict[str, dict[int, list[dict[str, float]]
         row["prefill_ratio"] = (
             row["artifact"]["prefill_tokens_per_s"] / row["reference"]["prefill_tokens_per_s"]
         )
+        if "artifact_plain" in runs:
+            samples = runs["artifact"][batch]
+            row["speculative_ratio"] = (
+                row["artifact"]["decode_tokens_per_s"] / row["artifact_plain"]["decode_tokens_per_s"]
+            )
+            row["acceptance"] = statistics.median(r.get("spec_acceptance", 0.0) for r in samples)
+            row["tokens_per_step"] = statistics.median(r.get("spec_tokens_per_step", 0.0) for r in samples)
         rows.append(row)
     return rows

@@ -33,6 +33,8 @@ DECODE = Options(
         "repeats",
         "compile",
         "prefill_dtype",
+        "speculative",
+        "draft",
         _OUT,
     ],
     "bench decode",

@@ -359,7 +359,7 @@ def build_table(summary: dict[str, Any], manifest: dict[str, Any]) -> Table:
 
 def decode_tables(result: dict[str, Any], folder: Path) -> list[Any]:
     table = Table(title=f"Decode: {result['artifact']['name']} vs FP32 HF generate", title_justify="left")
-    columns = (
+    columns: tuple[str, ...] = (
         "batch",
         "prefill tok/s",
         "FP32 prefill",
@@ -369,11 +369,14 @@ def decode_tables(result: dict[str, Any], folder: Path) -> list[Any]:
         "RSS MB",
         "FP32 RSS",
     )
+    speculative = any("speculative_ratio" in row for row in result["rows"])
+    if speculative:
+        columns = (*columns, "no-spec decode", "spec ratio", "acceptance", "tok/step")
     for column in columns:
         table.add_column(column, justify="right")
     for row in result["rows"]:
         a, r = row["artifact"], row["reference"]
-        table.add_row(
+        cells = [
             str(row["batch"]),
             f"{a['prefill_tokens_per_s']:.0f}",
             f"{r['prefill_tokens_per_s']:.0f}",
@@ -382,7 +385,15 @@ def decode_tables(result: dict[str, Any], folder: Path) -> list[Any]:
             f"{row['decode_ratio']:.2f}x",
             f"{a['peak_rss_mb']:.0f}",
             f"{r['peak_rss_mb']:.0f}",
-        )
+        ]
+        if speculative:
+            cells += [
+                f"{row['artifact_plain']['decode_tokens_per_s']:.1f}",
+                f"{row['speculative_ratio']:.2f}x",
+                f"{row['acceptance']:.2f}",
+                f"{row['tokens_per_step']:.2f}",
+            ]
+        table.add_row(*cells)
     bound = result["bound"]
     fraction = bound["batch1_fraction_of_ceiling"]
     rows = [

@@ -64,6 +64,9 @@ class Knobs:
         0.0  # seconds a request may be held to batch it with later ones (static rules only)
     )
     top_tier_tokens: int = 0  # how many tokens a step with a top-tier prompt may reach (0: the budget)
+    # speculative decoding where the server offers it (serve/speculative): off in throughput mode, where the batch
+    # is large enough that verification rows are no longer nearly free
+    speculate: bool = True
 
 
 @dataclass(frozen=True)
@@ -588,6 +591,7 @@ class Controller:
             scaled(latency.max_num_batched_tokens, preset.max_num_batched_tokens),
             scaled(latency.prefill_chunk, preset.prefill_chunk),
             preset.admission_wait,
+            speculate=False,
         )
         return self._capped(knobs, top)
 

@@ -122,6 +122,7 @@ class FleetControl:
             "prefill_chunk": knobs.prefill_chunk,
             "admission_wait": knobs.admission_wait,
             "top_tier_tokens": knobs.top_tier_tokens,
+            "speculate": int(knobs.speculate),
             "patience": self._patience(),
             "mode": decision.mode,
             "version": f"{time.time():.3f}-{uuid.uuid4().hex[:6]}",

@@ -197,6 +197,7 @@ class FleetWorker:
                 int(data["prefill_chunk"]),
                 float(data.get("admission_wait", 0.0)),
                 int(data.get("top_tier_tokens", 0)),
+                bool(int(data.get("speculate", 1))),
             )
             patience = max(0.0, float(data.get("patience", 0.0)))
         except (KeyError, ValueError) as exc:

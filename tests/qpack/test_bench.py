@@ -192,6 +192,22 @@ def test_decode_bench_of_an_int4_artifact_on_torchs_kernels(
     assert breakdown["quantized kernels"] > 0  # torch's _weight_int4pack_mm_for_cpu
 
 
+def test_decode_bench_with_speculation_runs_the_artifact_with_and_without(
+    tmp_path, tiny_llama_calibration
+) -> None:
+    """`--speculative`: the artifact side runs with speculation and without, alternating, on real text prompts;
+    the rows carry the ratio and the acceptance."""
+    from qpack.bench import DecodeConfig, bench_decode
+
+    art = _artifact(tmp_path / "int8", tiny_llama_calibration, "int8")
+    config = DecodeConfig(art, batches=(1,), prompt_tokens=16, new_tokens=12, repeats=1, speculative="ngram")
+    result, _folder = bench_decode(config, tmp_path / "out")
+    row = result["rows"][0]
+    assert row["artifact_plain"]["decode_tokens_per_s"] > 0 and row["speculative_ratio"] > 0
+    assert 0.0 <= row["acceptance"] <= 1.0
+    assert result["settings"]["prompts"] == "ShareGPT text"
+
+
 def test_a_server_without_qpack_metrics_is_reported_as_unavailable(stub_url: str) -> None:
     """`bench serve --url` against another OpenAI-compatible server: a JSON error body or another exporter's
     metrics are 'unavailable', never a crash at the end of the run."""

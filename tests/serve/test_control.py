@@ -236,14 +236,19 @@ def test_the_batch_cap_follows_the_measured_tpot() -> None:
     control.step(Observation(0.0, {"standard": 40}, loads))
     slow = control.step(Observation(2.5, {"standard": 40}, loads, tpot_p95={"priority": 0.25}))
     assert slow.mode == THROUGHPUT  # 0.25 s > 90% of priority's 0.2 s: the whole batch scales by 3/4
-    assert slow.knobs == Knobs(24, 768, 384, top_tier_tokens=1024)  # a top-tier prompt: the preset budget
+    assert slow.knobs == Knobs(
+        24, 768, 384, top_tier_tokens=1024, speculate=False
+    )  # top tier: the preset budget
     held = control.step(Observation(3.0, {"standard": 40}, loads, tpot_p95={"priority": 0.25}))
     assert held.knobs.max_num_seqs == 24  # at most every 2 s
     fast = control.step(Observation(5.0, {"standard": 40}, loads, tpot_p95={"priority": 0.05}))
-    assert fast.knobs == Knobs(27, 870, 435, top_tier_tokens=1024)  # room: back up by a tenth of the preset
+    assert fast.knobs == Knobs(27, 870, 435, top_tier_tokens=1024, speculate=False)  # back up by a tenth
     for at in range(7, 40, 2):
         floor = control.step(Observation(float(at), {"standard": 40}, loads, tpot_p95={"priority": 1.0}))
-    assert floor.knobs == dataclasses.replace(ControlConfig().latency, top_tier_tokens=1024)  # never under it
+    floor_knobs = dataclasses.replace(ControlConfig().latency, top_tier_tokens=1024, speculate=False)
+    assert floor.knobs == floor_knobs  # never under the latency preset, and no speculation in throughput mode
+    calm = controller().step(Observation(0.0, {}, {"int8": Load({}, 0, 0)}))
+    assert calm.mode == LATENCY and calm.knobs.speculate  # speculation only in latency mode
 
 
 def test_a_top_tier_queued_past_the_seats_never_shrinks_the_batch() -> None:

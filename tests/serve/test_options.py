@@ -139,3 +139,17 @@ def test_a_worker_whose_port_is_taken_serves_its_health_on_a_free_one() -> None:
     assert free.port == port and len(said) == 1
     with free:
         pass
+
+
+def test_speculative_options_are_checked_together() -> None:
+    bad = ServeOptions(
+        "art/", speculative="draft", speculative_k=0, speculative_max_batch=0, draft_kv_memory="lots"
+    )
+    with pytest.raises(QpackError) as caught:
+        bad.validate()
+    message = str(caught.value)
+    for field in ("draft", "speculative_k", "speculative_max_batch", "draft_kv_memory"):
+        assert field in message, field
+    with pytest.raises(QpackError, match="speculative"):
+        ServeOptions("art/", speculative="fast").validate()
+    ServeOptions("art/", speculative="auto", draft="int4").validate()

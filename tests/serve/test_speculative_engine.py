@@ -178,6 +178,11 @@ def test_rejected_tokens_leave_the_pool_as_plain_decoding_does(stories: tuple[An
     assert summary.accepted["draft"] < summary.proposed["draft"]  # there were rejections to roll back
     assert sorted(keys) == sorted(plain_keys)  # only blocks of real tokens were ever registered (and written)
     assert set(engine.pool._cached) == set(plain_engine.pool._cached)
+    metrics = engine.metrics.render().decode()
+    proposed = summary.proposed["draft"]
+    assert f'qpack_spec_proposed_tokens_total{{source="draft"}} {float(proposed)}' in metrics
+    assert f"qpack_spec_verify_steps_total {float(summary.verify_steps)}" in metrics
+    assert f"qpack_spec_acceptance_rate {summary.acceptance}" in metrics
 
 
 @pytest.mark.parametrize("when", ["drafting", "verifying"])

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
+import pytest
 import torch
 
+from quantize.common.errors import QpackError
 from serve.request import Request, SamplingParams
 from serve.sampler import sample, seeded
 from serve.speculative import verify
@@ -165,3 +168,12 @@ def test_a_source_that_cannot_pay_even_when_always_accepted_is_never_probed() ->
     policy = SpeculationPolicy("draft", probe_every=2, costs=costs)
     seen = {"draft": Acceptance(10.0, 0.0)}
     assert [policy.plan(seen, room=8)["draft"] for _ in range(6)] == [0] * 6
+
+
+def test_a_draft_that_cannot_be_is_refused_in_one_line(tmp_path: Path) -> None:
+    from serve.loading import load_draft
+
+    with pytest.raises(QpackError, match="group size must be one of 32, 64, 128"):
+        load_draft("int4:48", None)  # type: ignore[arg-type]
+    with pytest.raises(QpackError, match="neither int4"):
+        load_draft(str(tmp_path / "missing"), None)  # type: ignore[arg-type]
