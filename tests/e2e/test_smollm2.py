@@ -110,3 +110,48 @@ def test_evaluate_int8_artifact(smollm2_int8: Path, mmlu_dir: Path) -> None:
     assert result.passed
     assert result.evaluation.reference.id == "smollm2-135m"
     assert result.evaluation.heldout is not None and result.evaluation.heldout.kl < 0.02
+
+
+def test_speculative_greedy_text_on_smollm2_is_the_plain_text(smollm2_int8: Path) -> None:
+    """The int8 artifact with prompt lookup and with an int4 draft built from it: the same greedy text as plain
+    decoding, a chat question and a grounded prompt (repeat a passage), while proposals are both kept and
+    rejected."""
+    from serve.engine import Engine, EngineConfig, RequestOutput
+    from serve.loading import build_engine, load_draft, load_for_serving
+    from serve.request import SamplingParams
+
+    passage = "The quick brown fox jumps over the lazy dog. Then the dog wakes up and chases the fox home."
+    texts = ["What is the capital of France?", f"Repeat this text exactly:\n\n{passage}"]
+
+    def generate(mode: str) -> tuple[dict[str, str], Engine]:
+        loaded = load_for_serving(str(smollm2_int8))
+        tokenizer = loaded.tokenizer
+        prompts = [
+            tokenizer(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+                ),
+                add_special_tokens=False,
+            )["input_ids"]
+            for text in texts
+        ]
+        draft = load_draft("int4", loaded) if mode in ("draft", "auto") else None
+        engine = build_engine(loaded, EngineConfig(kv_memory="64MB", speculative=mode), draft)
+        engine.speculator.policy.costs.prefill["draft"] = 0.0
+        out: dict[str, str] = {}
+
+        def collect(output: RequestOutput) -> None:
+            out[output.request_id] = out.get(output.request_id, "") + output.text
+
+        for index, prompt in enumerate(prompts):
+            engine.add(f"r{index}", list(prompt), SamplingParams(max_tokens=48, temperature=0.0), collect)
+            while engine.has_work():
+                engine.step()
+        return out, engine
+
+    plain, _engine = generate("off")
+    for mode in ("ngram", "draft"):
+        text, engine = generate(mode)
+        assert text == plain, mode
+        summary = engine.speculator.summary()
+        assert summary.verify_steps > 0 and summary.emitted > summary.verify_steps, (mode, summary)
