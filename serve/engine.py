@@ -5,6 +5,10 @@ abort requests from other threads), run the model without the lock, then commit 
 incrementally, apply stop conditions and hand each request its new text through its callback. An aborted or
 timed-out request frees its KV blocks immediately; if it was in the batch being computed, its result is
 dropped when the step commits. `run()` loops on a background thread until told to stop.
+
+With speculative decoding (`serve/speculative`), a step of few decodes first gets proposals (prompt lookup under
+the lock, a draft model's steps outside it), the runner verifies them as extra rows, and the tokens each request
+keeps are emitted together, its KV settled to them.
 """
 
 from __future__ import annotations
@@ -201,7 +205,21 @@ class Engine:
             self.tiers.fetch if self.tiers is not None else None,
             self.tiers.on_register if self.tiers is not None else None,
         )
-        self.speculator = Speculator(
+        self.speculator = self._speculator(draft, device)
+        self.eos_ids = self._eos_ids()
+        self.streams: dict[str, _Stream] = {}
+        self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
+        self.stats = EngineStats()
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self.paused = threading.Event()  # set: the loop stops stepping (maintenance; tests hold work queued)
+        self.defer_to: Callable[[], bool] | None = None  # while True no step starts here (`prioritize`)
+        self.metrics.kv_blocks_total.set(num_blocks)
+
+    def _speculator(self, draft: nn.Module | None, device: torch.device) -> Speculator:
+        """Speculative decoding as the config asks (off: a speculator that never proposes)."""
+        config = self.config
+        return Speculator(
             SpeculationPolicy(
                 config.speculative, k_max=config.speculative_k, max_batch=config.speculative_max_batch
             ),
@@ -214,15 +232,6 @@ class Engine:
             self.max_model_len,
             self.metrics,
         )
-        self.eos_ids = self._eos_ids()
-        self.streams: dict[str, _Stream] = {}
-        self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
-        self.stats = EngineStats()
-        self._lock = threading.RLock()
-        self._wake = threading.Condition(self._lock)
-        self.paused = threading.Event()  # set: the loop stops stepping (maintenance; tests hold work queued)
-        self.defer_to: Callable[[], bool] | None = None  # while True no step starts here (`prioritize`)
-        self.metrics.kv_blocks_total.set(num_blocks)
 
     @property
     def numeric_identity(self) -> str:

@@ -31,6 +31,37 @@ class TenantUsage:
         )
 
 
+class SpeculationMetrics:
+    """Speculative decoding (serve/speculative): proposals per source, what was kept, what a verifying step yields."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.proposed = Counter(
+            "qpack_spec_proposed_tokens", "Speculative tokens proposed, per source", ["source"], registry=r
+        )
+        self.accepted = Counter(
+            "qpack_spec_accepted_tokens",
+            "Speculative tokens the target accepted, per source",
+            ["source"],
+            registry=r,
+        )
+        self.steps = Counter(
+            "qpack_spec_verify_steps",
+            "Requests' verifying steps (one target step checking proposals)",
+            registry=r,
+        )
+        self.emitted = Counter(
+            "qpack_spec_emitted_tokens",
+            "Tokens emitted by verifying steps (accepted proposals + one)",
+            registry=r,
+        )
+        self.acceptance = Gauge(
+            "qpack_spec_acceptance_rate", "Accepted / proposed speculative tokens so far", registry=r
+        )
+        self.tokens_per_step = Gauge(
+            "qpack_spec_tokens_per_target_step", "Tokens emitted per verifying step so far", registry=r
+        )
+
+
 class TenantMetrics:
     """A front door's answers per tenant and tier (a server's, or a fleet gateway's with `prefix` qpack_fleet):
     requests by HTTP status, refusals by the limit that refused, and reloads of the tenants file. Never key
@@ -216,31 +247,7 @@ class Metrics:
             registry=r,
         )
 
-        self.spec_proposed = Counter(
-            "qpack_spec_proposed_tokens", "Speculative tokens proposed, per source", ["source"], registry=r
-        )
-        self.spec_accepted = Counter(
-            "qpack_spec_accepted_tokens",
-            "Speculative tokens the target accepted, per source",
-            ["source"],
-            registry=r,
-        )
-        self.spec_steps = Counter(
-            "qpack_spec_verify_steps",
-            "Requests' verifying steps (one target step checking proposals)",
-            registry=r,
-        )
-        self.spec_emitted = Counter(
-            "qpack_spec_emitted_tokens",
-            "Tokens emitted by verifying steps (accepted proposals + one)",
-            registry=r,
-        )
-        self.spec_acceptance = Gauge(
-            "qpack_spec_acceptance_rate", "Accepted / proposed speculative tokens so far", registry=r
-        )
-        self.spec_tokens_per_step = Gauge(
-            "qpack_spec_tokens_per_target_step", "Tokens emitted per verifying step so far", registry=r
-        )
+        self.speculation = SpeculationMetrics(r)
 
         self.tenants = TenantUsage(r, "qpack", "Time from arrival to a seat in the batch")
 

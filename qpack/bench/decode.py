@@ -383,6 +383,40 @@ def _tokenizer(config: DecodeConfig) -> Any:
     return load_tokenizer(config.artifact)
 
 
+def _alternate(
+    config: DecodeConfig, artifact: Worker, baseline: Worker, progress: Any
+) -> dict[str, dict[int, list[dict[str, float]]]]:
+    """Every repeat and batch size, the sides in turn (with `speculative`, the artifact with and without it)."""
+    speculating = config.speculative != "off"
+    tokenizer = _tokenizer(config) if speculating else None
+    runs: dict[str, dict[int, list[dict[str, float]]]] = {"artifact": {}, "reference": {}}
+    if speculating:
+        runs["artifact_plain"] = {}
+    total = len(config.batches) * config.repeats
+    done = 0
+    for repeat in range(config.repeats):
+        for batch in config.batches:
+            command: dict[str, Any] = {
+                "batch": batch,
+                "prompt_tokens": config.prompt_tokens,
+                "new_tokens": config.new_tokens,
+                "seed": config.seed + repeat,
+            }
+            if tokenizer is not None:
+                command["prompts"] = text_prompts(
+                    tokenizer, batch, config.prompt_tokens, config.seed + repeat
+                )
+            sides = [("artifact", artifact, True), ("reference", baseline, True)]
+            if speculating:
+                sides.insert(1, ("artifact_plain", artifact, False))
+            for side, worker, speculate in sides:
+                runs[side].setdefault(batch, []).append(worker.call({**command, "speculate": speculate}))
+            done += 1
+            if progress is not None:
+                progress(done, total)
+    return runs
+
+
 def run_decode_bench(config: DecodeConfig, progress: Any = None) -> dict[str, Any]:
     from qpack.bench.sysinfo import machine_info, measure_bandwidth
     from quantize.io.artifact import read_manifest
@@ -404,34 +438,8 @@ def run_decode_bench(config: DecodeConfig, progress: Any = None) -> dict[str, An
         config.draft,
     )
     baseline = Worker("reference", reference, max(config.batches), max_len)
-    speculating = config.speculative != "off"
-    tokenizer = _tokenizer(config) if speculating else None
-    runs: dict[str, dict[int, list[dict[str, float]]]] = {"artifact": {}, "reference": {}}
-    if speculating:
-        runs["artifact_plain"] = {}
     try:
-        total = len(config.batches) * config.repeats
-        done = 0
-        for repeat in range(config.repeats):
-            for batch in config.batches:
-                command: dict[str, Any] = {
-                    "batch": batch,
-                    "prompt_tokens": config.prompt_tokens,
-                    "new_tokens": config.new_tokens,
-                    "seed": config.seed + repeat,
-                }
-                if tokenizer is not None:
-                    command["prompts"] = text_prompts(
-                        tokenizer, batch, config.prompt_tokens, config.seed + repeat
-                    )
-                sides = [("artifact", artifact, True), ("reference", baseline, True)]
-                if speculating:
-                    sides.insert(1, ("artifact_plain", artifact, False))
-                for side, worker, speculate in sides:
-                    runs[side].setdefault(batch, []).append(worker.call({**command, "speculate": speculate}))
-                done += 1
-                if progress is not None:
-                    progress(done, total)
+        runs = _alternate(config, artifact, baseline, progress)
         profile = artifact.call({"profile": True, "new_tokens": 64})
     finally:
         artifact.close()
@@ -455,7 +463,7 @@ def run_decode_bench(config: DecodeConfig, progress: Any = None) -> dict[str, An
             "repeats": config.repeats,
             "speculative": config.speculative,
             "draft": config.draft if config.speculative in ("draft", "auto") else None,
-            "prompts": "ShareGPT text" if speculating else "random token ids",
+            "prompts": "ShareGPT text" if config.speculative != "off" else "random token ids",
         },
         "rows": rows,
         "bound": {

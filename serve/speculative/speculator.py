@@ -99,6 +99,7 @@ class Speculator:
     def plan(self, out: SchedulerOutput, running: list[Request]) -> Plan:
         """Under the engine's lock: the step's decodes that will speculate, with their prompt-lookup proposals
         and what the draft model must propose."""
+        self._source.clear()  # a proposal never verified (its request ended mid-step) leaves nothing behind
         live = {r.request_id for r in running}
         for request_id in [r for r in self.acceptance if r not in live]:
             del self.acceptance[request_id]
@@ -210,14 +211,14 @@ class Speculator:
         self.accepted[source] = self.accepted.get(source, 0) + verdict.accepted
         self.steps += 1
         self.emitted += len(verdict.tokens)
-        metrics = self.metrics
-        metrics.spec_proposed.labels(source=source).inc(proposed)
-        metrics.spec_accepted.labels(source=source).inc(verdict.accepted)
-        metrics.spec_steps.inc()
-        metrics.spec_emitted.inc(len(verdict.tokens))
+        metrics = self.metrics.speculation
+        metrics.proposed.labels(source=source).inc(proposed)
+        metrics.accepted.labels(source=source).inc(verdict.accepted)
+        metrics.steps.inc()
+        metrics.emitted.inc(len(verdict.tokens))
         total = sum(self.proposed.values())
-        metrics.spec_acceptance.set(sum(self.accepted.values()) / total if total else 0.0)
-        metrics.spec_tokens_per_step.set(self.emitted / self.steps)
+        metrics.acceptance.set(sum(self.accepted.values()) / total if total else 0.0)
+        metrics.tokens_per_step.set(self.emitted / self.steps)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """A batch-1 decode step's time: the unit of the policy's costs (plain), or a verifying step's."""
