@@ -167,12 +167,14 @@ class SpeculationPolicy:
         for source, tokens in proposals.items():
             if not tokens:
                 continue
-            k = len(tokens)
-            rate = acceptance[source].rate
-            gain = expected_tokens(rate, k) / (1.0 + k * self._per_token(source))
+            gain = self.gain(acceptance[source], source, len(tokens))
             if best.source is None or gain > best.gain:
-                best = Choice(source, k, gain)
+                best = Choice(source, len(tokens), gain)
         return best
+
+    def gain(self, seen: Acceptance, source: str, k: int) -> float:
+        """The expected speed-up over plain decoding of verifying k tokens from `source`."""
+        return expected_tokens(seen.rate, k) / (1.0 + k * self._per_token(source))
 
     def _per_token(self, source: str) -> float:
         return self.costs.verify_row + self.costs.propose[source]

@@ -148,9 +148,10 @@ class Speculator:
         lookup = wanted.proposals.get("ngram")
         if not lookup:
             return True
-        found = self.policy.choose(seen, {"ngram": lookup})
-        drafted = self.policy.choose(seen, {"draft": [0] * wanted.ks["draft"]})
-        return drafted.gain > found.gain
+        policy = self.policy
+        return policy.gain(seen["draft"], "draft", wanted.ks["draft"]) > policy.gain(
+            seen["ngram"], "ngram", len(lookup)
+        )
 
     def draft(self, plan: Plan) -> None:
         """Outside the lock: run the draft model for the requests that need it (batched, one step per token)."""
