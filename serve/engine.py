@@ -641,7 +641,7 @@ class Engine:
 
     def _awaiting_first_token(self) -> list[Request]:
         """Queued requests and seated ones still in prefill (under the lock)."""
-        pending = [r for _key, r in self.scheduler.waiting]
+        pending = list(self.scheduler.waiting)
         return pending + [r for r in self.scheduler.running if r.first_token_time is None]
 
     def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:

@@ -52,6 +52,9 @@ class Owner:
     user: str | None = None
     session_id: str | None = None
     session_ttl: float | None = None  # the tenant's, when it sets one
+    weight: float = (
+        1.0  # the tenant's share of its tier's tokens against the other tenants' (`serve.fair_queue`)
+    )
 
     @property
     def session(self) -> SessionName | None:
@@ -148,8 +151,3 @@ class Request:
                     parent = rejoin(parent, self.cache_salt)
             self._keys += prefix_keys(self.all_ids[done * block_size : end * block_size], block_size, parent)
         return self._keys[:full]
-
-    def sort_key(self) -> tuple[int, int, int]:
-        """Tier first (a lower rank is a higher tier), then the request's own `priority` within its tier (lower
-        first), then arrival."""
-        return (self.owner.tier_rank, self.priority, self.arrival_index)

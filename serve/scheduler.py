@@ -5,10 +5,11 @@ Every step the scheduler builds one batch under a token budget:
    tier. They are cheap, so a long prompt arriving never stalls the streams already running.
 2. Then prompt chunks, by tier: the running requests still in prefill get their next chunk (chunked prefill:
    a long prompt is spread over several steps), and waiting requests are admitted in order of tier (its
-   tenant's, from the API key), then the request's own `priority` within the tier (lower first), then arrival,
-   while the budget and `max_num_seqs` allow, after reusing any cached prefix blocks; a waiting request of a
-   higher tier takes its chunk before a running one of a lower tier, so a top-tier prompt is never left for
-   the next step behind the chunks of lower tiers' prompts.
+   tenant's, from the API key), then, between the tenants of a tier, the one that has had the fewest tokens
+   for its weight (`serve.fair_queue`), then the request's own `priority` among its tenant's requests (lower
+   first), then arrival, while the budget and `max_num_seqs` allow, after reusing any cached prefix blocks; a
+   waiting request of a higher tier (or of a peer tenant further behind its share) takes its chunk before a
+   running one, so a top-tier prompt is never left for the next step behind the chunks of lower tiers' prompts.
 3. A top-tier prompt may take the step past the budget, up to `top_tier_tokens` (a controller sets it when it
    caps the steps so that a top-tier arrival never waits long for the step in flight): it then goes in the
    fewest steps it can, and lower tiers' chunks get what the usual budget leaves after it.
@@ -16,12 +17,16 @@ When the pool cannot give a running request its next block, a running request of
 preempted, the newest of them: its blocks are freed and it goes back to the queue, to be recomputed later
 (cheaply, if its prefix blocks are still cached). A waiting request never preempts one of its own tier or a
 higher one; but when the batch is full, or the pool short of the blocks its first chunk needs, it takes the
-place of running requests of a *lower* tier (lowest first, newest first) before the step is built. So no
-request is ever preempted, or kept waiting for a seat, while a lower tier holds one.
+place of running requests of a *lower* tier (lowest first, newest first) before the step is built, or of a peer
+tenant of its tier holding more than its share of that tier's seats while its own tenant holds less. So no
+request is ever preempted, or kept waiting for a seat, while a lower tier holds one, and no tenant holds its
+tier's seats while a peer waits below its share.
 
 The waiting queue is bounded (`max_queue`); `add` returns False when it is full, which the API turns into a
 429 with Retry-After, unless the newcomer outranks the lowest tier waiting: then the newest request of that tier
-leaves the queue instead (`shed`, answered 429 too), so a higher tier is never refused while a lower one waits.
+leaves the queue instead (`shed`, answered 429 too), so a higher tier is never refused while a lower one waits;
+and a tenant under its share of its tier's places displaces the last request of the peer furthest over its own,
+so one tenant's backlog never turns another's requests into 429s.
 The knobs a controller turns between steps are all in `SchedulerConfig`: the batch cap, the step's token budget,
 the prompt tokens one request may prefill per step (`prefill_chunk`), how far a top-tier prompt may take a step
 (`top_tier_tokens`), and how long an arriving request may be held so that it is batched with later ones
@@ -33,12 +38,13 @@ write it through.
 
 from __future__ import annotations
 
-import heapq
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from serve.block_pool import BlockPool, PrefixKey
+from serve.fair_queue import FairQueue, Lane, lane
 from serve.request import Request, Status
 
 # fetch(request, keys) -> block ids holding the KV of the leading keys (fresh, ref 1, registered); may be shorter
@@ -95,7 +101,7 @@ class Scheduler:
         self.pool = pool
         self.fetch = fetch
         self.on_register = on_register
-        self.waiting: list[tuple[tuple[int, int, int], Request]] = []
+        self.waiting = FairQueue()
         self.running: list[Request] = []
         self.shed: list[Request] = []  # left the queue for a higher tier's request; the engine answers them
         self._arrivals = 0
@@ -110,20 +116,43 @@ class Scheduler:
 
     def add(self, request: Request) -> bool:
         """Queue a request; False when the waiting queue is full (back-pressure) of requests of its tier or
-        higher. Full of lower tiers, the newest of the lowest leaves (`shed`) to make room."""
+        higher, and its tenant already holds its share of its tier's places. Otherwise a full queue makes room:
+        the last request of the lowest tier waiting leaves (`shed`) when that tier is lower than the newcomer's,
+        or else the last of the tenant of its tier furthest over its share."""
         if len(self.waiting) >= self.config.max_queue:
-            lowest = max(
-                (entry for entry in self.waiting), key=lambda e: (e[1].tier_rank, e[1].arrival_index)
-            )[1]
-            if self.config.max_queue == 0 or lowest.tier_rank <= request.tier_rank:
+            victim = self._displaced(request)
+            if victim is None:
                 return False
-            self.finish(lowest, "shed")
-            self.shed.append(lowest)
+            self.finish(victim, "shed")
+            self.shed.append(victim)
         request.arrival_index = self._arrivals
         self._arrivals += 1
         request.status = Status.WAITING
-        heapq.heappush(self.waiting, (request.sort_key(), request))
+        self.waiting.push(request)
         return True
+
+    def _displaced(self, newcomer: Request) -> Request | None:
+        """The waiting request a newcomer to a full queue displaces, if any."""
+        queue = self.waiting
+        if self.config.max_queue == 0:
+            return None
+        lowest = max(rank for rank, _tenant in queue.lanes())
+        if lowest < newcomer.tier_rank:
+            return None
+        mine, peers = lane(newcomer), queue.lanes(lowest)
+        same = lowest == newcomer.tier_rank
+        present = [*peers, mine] if same else peers
+        total = sum(queue.waiting(p) for p in peers)
+        if same and queue.waiting(mine) + 1 > queue.share(mine, total, present):
+            return None
+        over = max(
+            (p for p in peers if p != mine),
+            key=lambda p: queue.waiting(p) / queue.share(p, total, present),
+            default=None,
+        )
+        if over is None or (same and queue.waiting(over) - 1 < queue.share(over, total, present)):
+            return None
+        return queue.last(over)
 
     def _blocks_needed(self, request: Request, tokens: int) -> int:
         return -(-tokens // self.config.block_size) - len(request.block_ids)
@@ -151,15 +180,14 @@ class Scheduler:
         request.status = Status.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        heapq.heappush(self.waiting, (request.sort_key(), request))
+        self.waiting.push(request)
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark finished and free its blocks now (also for aborts and timeouts)."""
         if request.status is Status.RUNNING:
             self.running.remove(request)
         elif request.status is Status.WAITING:
-            self.waiting = [(k, s) for k, s in self.waiting if s is not request]
-            heapq.heapify(self.waiting)
+            self.waiting.remove(request)
         self._release(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
@@ -174,19 +202,41 @@ class Scheduler:
         return next(s for s in reversed(candidates) if s.tier_rank == lowest)
 
     def _seat_higher_tier(self, out: SchedulerOutput) -> None:
-        """Before the step is built: while the best waiting request outranks the lowest running tier and cannot
-        get in (the batch is full, or the free blocks cannot hold its first chunk), preempt that tier's newest."""
+        """Before the step is built: while the best waiting request cannot get in (the batch is full, or the free
+        blocks cannot hold its first chunk), preempt the newest of the lowest running tier when that tier is lower
+        than its own, or else the newest of a peer tenant holding more than its share of its tier's seats while
+        its own tenant holds less."""
         while self.waiting and self.running:
-            head = self.waiting[0][1]
-            victim = self._victim(set())
-            if victim is None or victim.tier_rank <= head.tier_rank:
-                return
+            head = self.waiting.head()
+            assert head is not None
             chunk = self._chunk(head, self.config.max_num_batched_tokens)
             full = len(self.running) >= self.config.max_num_seqs
             if not full and self.pool.num_free >= -(-chunk // self.config.block_size):
                 return
+            victim = self._victim(set())
+            if victim is not None and victim.tier_rank <= head.tier_rank:
+                victim = self._over_share(head)
+            if victim is None:
+                return
             self.preempt(victim)
             out.preempted.append(victim)
+
+    def _over_share(self, head: Request) -> Request | None:
+        """The newest seated request of the peer tenant furthest over its share of the seats of `head`'s tier, when
+        `head`'s tenant is under its own and taking one seat leaves that peer at its share or above."""
+        seats: Counter[Lane] = Counter(lane(r) for r in self.running if r.tier_rank == head.tier_rank)
+        mine, total = lane(head), self.config.max_num_seqs
+        present = {*seats, *self.waiting.lanes(head.tier_rank)}
+        if seats[mine] + 1 > self.waiting.share(mine, total, present):
+            return None
+        over = max(
+            (p for p in seats if p != mine),
+            key=lambda p: seats[p] / self.waiting.share(p, total, present),
+            default=None,
+        )
+        if over is None or seats[over] - 1 < self.waiting.share(over, total, present):
+            return None
+        return next(r for r in reversed(self.running) if lane(r) == over)
 
     def _chunk(self, request: Request, budget: int, whole: bool = False) -> int:
         """Tokens the request computes this step: one to decode, or the next chunk of its prompt (as much as the
@@ -199,7 +249,8 @@ class Scheduler:
         fill the free seats."""
         if self.config.admission_wait <= 0 or not self.waiting:
             return False
-        head = self.waiting[0][1]
+        head = self.waiting.head()
+        assert head is not None
         seats = self.config.max_num_seqs - len(self.running)
         return now - head.arrival_time < self.config.admission_wait and len(self.waiting) < seats
 
@@ -217,14 +268,17 @@ class Scheduler:
             budget, top = budget - used, top - used
         prefills = [r for r in by_rank if r.num_uncomputed > 1]
         admitting = not self._hold(time.monotonic() if now is None else now)
+        urgency = self.waiting.urgency
         while True:
-            prefills = [r for r in prefills if r in self.running and id(r) not in scheduled_ids]
+            prefills = sorted(
+                (r for r in prefills if r in self.running and id(r) not in scheduled_ids), key=urgency
+            )
             head = (
-                self.waiting[0][1]
+                self.waiting.head()
                 if admitting and self.waiting and len(self.running) < self.config.max_num_seqs
                 else None
             )
-            admit = head is not None and (not prefills or head.tier_rank < prefills[0].tier_rank)
+            admit = head is not None and (not prefills or urgency(head) < urgency(prefills[0]))
             upcoming = head if admit else (prefills[0] if prefills else None)
             if upcoming is None:
                 break
@@ -264,6 +318,7 @@ class Scheduler:
                 return 0
         out.scheduled.append(Scheduled(request, request.num_computed, num_new))
         scheduled_ids.add(id(request))
+        self.waiting.charge(request, num_new)
         return num_new
 
     def _admit(
@@ -291,13 +346,14 @@ class Scheduler:
         if not self._grow(request, request.num_computed + num_new):
             self._release(request)
             return None
-        heapq.heappop(self.waiting)
+        self.waiting.remove(request, seated=True)
         if request.output_ids == [] and request.num_preemptions == 0:
             request.cached_prompt_tokens = request.num_computed
         request.status = Status.RUNNING
         self.running.append(request)
         out.scheduled.append(Scheduled(request, request.num_computed, num_new))
         scheduled_ids.add(id(request))
+        self.waiting.charge(request, num_new)
         return num_new
 
     def commit(self, out: SchedulerOutput) -> None:

@@ -18,6 +18,7 @@ The file (TOML, or JSON of the same shape):
     tier = "gold"
     requests_per_minute = 600       # optional limits: tokens_per_minute, max_concurrent, max_tokens
     session_ttl = 3600              # optional: seconds an idle session's stored KV is kept
+    weight = 2                      # optional: its share of its tier's tokens against its peers' (default 1)
 
     [shared_prefixes.support]       # optional: prefix-cache sharing across tenants, only of this text
     text = "You are the support assistant of ..."
@@ -117,6 +118,7 @@ class Tenant:
     key_digests: tuple[bytes, ...] = ()
     session_ttl: float | None = None
     shared_prefixes: tuple[SharedPrefix, ...] = ()
+    weight: float = 1.0
 
     def __repr__(self) -> str:  # never print a key digest
         return f"Tenant({self.name!r}, tier={self.tier.name!r}, keys=<{len(self.key_digests)}>)"
@@ -136,6 +138,7 @@ class Caller:
     max_tokens: int | None = None
     session_ttl: float | None = None
     shared_prefixes: tuple[SharedPrefix, ...] = ()
+    weight: float = 1.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -147,6 +150,7 @@ class Caller:
             "max_tokens": self.max_tokens,
             "session_ttl": self.session_ttl,
             "shared_prefixes": [[p.name, p.sha256, p.chars] for p in self.shared_prefixes],
+            "weight": self.weight,
         }
 
     @classmethod
@@ -167,11 +171,14 @@ class Caller:
                 max_tokens=_optional(data.get("max_tokens"), int),
                 session_ttl=_optional(data.get("session_ttl"), float),
                 shared_prefixes=prefixes,
+                weight=float(data.get("weight", 1.0)),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"the caller stamp is incomplete ({exc})") from None
         if not NAME.match(caller.tenant):
             raise ValueError(f"the caller stamp names no valid tenant ({caller.tenant!r})")
+        if not 0 < caller.weight < float("inf"):
+            raise ValueError(f"the caller stamp's weight must be positive (got {caller.weight!r})")
         return caller
 
 
@@ -234,6 +241,7 @@ class Tenants:
             max_tokens=tenant.limits.max_tokens,
             session_ttl=tenant.session_ttl,
             shared_prefixes=tenant.shared_prefixes,
+            weight=tenant.weight,
         )
 
     @classmethod
@@ -449,6 +457,7 @@ _LIMITS = {
     "max_concurrent": int,
     "max_tokens": int,
     "session_ttl": float,
+    "weight": float,
 }
 
 
@@ -512,7 +521,8 @@ def _tenant(
         return None
     shared = tuple(prefix for prefix, members in prefixes.values() if name in members)
     session_ttl = values.pop("session_ttl", None)
-    return Tenant(name, tier, Limits(**values), digests, session_ttl, shared)
+    weight = values.pop("weight", 1.0)
+    return Tenant(name, tier, Limits(**values), digests, session_ttl, shared, weight)
 
 
 def _digests(entry: dict[str, Any], where: tuple[str, ...], problems: _Problems) -> tuple[bytes, ...]:

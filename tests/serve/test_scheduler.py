@@ -20,9 +20,15 @@ TIERS = {"priority": 0, "standard": 1, "free": 2}
 
 
 def request(
-    name: str, length: int, priority: int = 0, max_tokens: int = 4, tier: str = "standard"
+    name: str,
+    length: int,
+    priority: int = 0,
+    max_tokens: int = 4,
+    tier: str = "standard",
+    tenant: str | None = None,
+    weight: float = 1.0,
 ) -> Request:
-    owner = Owner(tenant=f"t-{tier}", tier=tier, tier_rank=TIERS[tier])
+    owner = Owner(tenant=tenant or f"t-{tier}", tier=tier, tier_rank=TIERS[tier], weight=weight)
     return Request(
         name,
         list(range(100, 100 + length)),
@@ -245,7 +251,7 @@ def test_a_full_queue_lets_the_newest_of_a_lower_tier_go_for_a_higher_one() -> N
     assert not s.add(
         request("late-free", 3, tier="free")
     )  # only higher tiers wait now: the free one is refused
-    assert [entry[1].request_id for entry in sorted(s.waiting)] == ["urgent", "standard"]
+    assert sorted(r.request_id for r in s.waiting) == ["standard", "urgent"]
 
 
 def test_decodes_first_then_prompt_chunks_by_tier_waiting_or_running() -> None:
@@ -288,3 +294,72 @@ def test_a_top_tier_prompt_goes_past_the_budget_up_to_the_top_tier_tokens() -> N
         assert s.add(top)
         step = mock_step(s)
         assert [(i.request.request_id, i.start, i.num_new) for i in step.scheduled] == expected
+
+
+def seated_order(s: Scheduler, steps: int = 200) -> list[str]:
+    order = []
+    for _ in range(steps):
+        out = mock_step(s)
+        order += [i.request.request_id for i in out.scheduled if i.start == 0]
+    return order
+
+
+def test_a_tenants_body_priority_orders_only_its_own_requests() -> None:
+    """B floods the tier with `priority` -1000000; A's one request, sent after, is seated as soon as B has had a
+    turn, and B's own requests keep their priority order among themselves."""
+    s = make(max_num_seqs=1, max_queue=16)
+    for i in range(4):
+        assert s.add(request(f"b{i}", 3, priority=-1_000_000 + (3 - i), tenant="b"))
+    assert s.add(request("a", 3, priority=1000, tenant="a"))
+    assert seated_order(s)[:3] == ["b3", "a", "b2"]
+
+
+def test_tokens_are_shared_between_the_tenants_of_a_tier_by_weight() -> None:
+    s = make(num_blocks=64, max_num_seqs=2, max_queue=64, max_num_batched_tokens=64)
+    for i in range(20):
+        s.add(request(f"light-{i}", 4, max_tokens=4, tenant="light"))
+        s.add(request(f"heavy-{i}", 4, max_tokens=4, tenant="heavy", weight=3.0))
+    served = {"light": 0, "heavy": 0}
+    for _ in range(40):
+        for item in mock_step(s).scheduled:
+            served[item.request.owner.tenant] += item.num_new
+    assert 2.5 <= served["heavy"] / served["light"] <= 3.5
+
+
+def test_a_tenant_back_from_idle_banks_no_credit() -> None:
+    """B ran alone for a long while; when A comes back the two alternate instead of A going first for all the
+    tokens it didn't use."""
+    s = make(max_num_seqs=1, max_queue=32)
+    for i in range(10):
+        s.add(request(f"early-b{i}", 3, tenant="b"))
+    seated_order(s, 60)
+    for i in range(4):
+        s.add(request(f"a{i}", 3, tenant="a"))
+        s.add(request(f"b{i}", 3, tenant="b"))
+    order = seated_order(s, 60)
+    assert sorted(order[:4]) == ["a0", "a1", "b0", "b1"]
+
+
+def test_a_full_queue_makes_room_for_a_tenant_under_its_share() -> None:
+    s = make(max_num_seqs=1, max_queue=4)
+    hog = [request(f"b{i}", 3, tenant="b") for i in range(4)]
+    assert all(s.add(r) for r in hog)
+    assert not s.add(request("b-more", 3, tenant="b"))  # its own backlog: refused
+    assert s.add(request("a0", 3, tenant="a")) and s.shed == [hog[3]]
+    assert s.add(request("a1", 3, tenant="a")) and s.shed == [hog[3], hog[2]]
+    assert not s.add(request("a2", 3, tenant="a"))  # A holds its share (2 of 4) now
+    assert sorted(r.request_id for r in s.waiting) == ["a0", "a1", "b0", "b1"]
+
+
+def test_a_tenant_under_its_share_of_seats_takes_one_from_a_peer_over_its_own() -> None:
+    s = make(num_blocks=40, max_num_seqs=4, max_queue=16, max_num_batched_tokens=64)
+    hog = [request(f"b{i}", 3, max_tokens=30, tenant="b") for i in range(6)]
+    for r in hog:
+        s.add(r)
+    mock_step(s)
+    assert [r.request_id for r in s.running] == ["b0", "b1", "b2", "b3"]
+    s.add(request("a", 3, max_tokens=30, tenant="a"))
+    out = mock_step(s)
+    assert out.preempted == [hog[3]] and "a" in [r.request_id for r in s.running]
+    for _ in range(5):  # no thrash: b holds 3 seats, over its share of 2, and waits
+        assert not mock_step(s).preempted

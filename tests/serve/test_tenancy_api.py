@@ -116,7 +116,7 @@ def test_service_tier_and_priority_cannot_lift_a_tenant(served) -> None:
             _wait(lambda: engine.scheduler.num_waiting == 1)
             polite = pool.submit(chat, url, A, HISTORY, priority=1000)
             _wait(lambda: engine.scheduler.num_waiting == 2)
-            head = min(engine.scheduler.waiting, key=lambda entry: entry[0])[1]
+            head = engine.scheduler.waiting.head()
             assert head.owner.tenant == "acme" and head.owner.tier == "priority"
             engine.paused.clear()
             assert pushy.result().status_code == 200 and polite.result().status_code == 200
