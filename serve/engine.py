@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from serve.kv_cache import KVLayout, parse_memory
 from serve.metrics import Metrics
 from serve.request import Owner, Request, SamplingParams, SharedChain
 from serve.runner import ModelRunner
-from serve.sampler import sample
+from serve.sampler import RowError, sample
 from serve.scheduler import Scheduled, Scheduler, SchedulerConfig, SchedulerOutput
 from serve.speculative.draft import DraftModel
 from serve.speculative.policy import SpeculationPolicy
@@ -587,26 +588,54 @@ class Engine:
         outputs: list[RequestOutput] = []
         tokens = sample(logits[[r for r, _ in plain]], [i.request for _, i in plain]) if plain else []
         for (_row, item), token in zip(plain, tokens, strict=True):
-            output = self._advance(self.streams[item.request.request_id], token)
+            stream = self.streams[item.request.request_id]
+            output = self._per_row(stream, partial(self._advance_sampled, stream, token))
             if output is not None:
                 outputs.append(output)
         for row, item in verifying:
-            request = item.request
-            verdict = self.speculator.verify(item, logits[row : row + 1 + len(item.proposal)])
-            stream = self.streams[request.request_id]
-            emitted = []
-            for index, token in enumerate(verdict.tokens):
-                if request.finished:
-                    break
-                # the tokens before this one are computed (the proposals the target kept): registered before
-                # this one is emitted, as plain decoding registers them before sampling the next
-                self.scheduler.settle(request, item.start + 1 + index, trim=False)
-                emitted.append(self._advance(stream, token))
-            merged = _merge([o for o in emitted if o is not None])
-            if merged is not None:
-                outputs.append(merged)
-            self.scheduler.settle(request, item.start + 1 + verdict.accepted)
+            stream = self.streams[item.request.request_id]
+            rows = logits[row : row + 1 + len(item.proposal)]
+            output = self._per_row(stream, partial(self._advance_verified, stream, item, rows))
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _per_row(self, stream: _Stream, work: Callable[[], RequestOutput | None]) -> RequestOutput | None:
+        """`work` on one request's row of a step; if it raises (its own sampling, stop matching or decoding),
+        that request alone finishes with 'error' and the step goes on."""
+        try:
+            return work()
+        except Exception as error:
+            request = stream.request
+            message = f"{type(error).__name__}: {error}"
+            _log.warning("request %s failed alone: %s", request.request_id, message)
+            self.stats.extra["last_request_error"] = message
+            self.metrics.request_errors.labels(scope="request").inc()
+            if request.finished:  # it failed after finishing: its final output still has to go out
+                self.streams.pop(request.request_id, None)
+                request.finish_reason = "error"
+                return self._output(stream, "", [], True)
+            return self._finish(stream, "error")
+
+    def _advance_sampled(self, stream: _Stream, token: int | RowError) -> RequestOutput | None:
+        if isinstance(token, RowError):
+            raise token
+        return self._advance(stream, token)
+
+    def _advance_verified(self, stream: _Stream, item: Scheduled, rows: torch.Tensor) -> RequestOutput | None:
+        """The tokens a verifying request keeps of its proposal, emitted; its KV settled to them."""
+        request = stream.request
+        verdict = self.speculator.verify(item, rows)
+        emitted = []
+        for index, token in enumerate(verdict.tokens):
+            if request.finished:
+                break
+            # the tokens before this one are computed (the proposals the target kept): registered before
+            # this one is emitted, as plain decoding registers them before sampling the next
+            self.scheduler.settle(request, item.start + 1 + index, trim=False)
+            emitted.append(self._advance(stream, token))
+        self.scheduler.settle(request, item.start + 1 + verdict.accepted)
+        return _merge([o for o in emitted if o is not None])
 
     def _count_admitted(self, scheduled: SchedulerOutput) -> None:
         """Queue time, per tenant and tier, of the requests that got their first seat this step."""
@@ -684,6 +713,7 @@ class Engine:
         with self._lock:
             self.stats.extra["last_error"] = message
             outputs = [self._finish(stream, "error") for stream in list(self.streams.values())]
+            self.metrics.request_errors.labels(scope="step").inc(len(outputs))
             self._update_gauges()
         self._deliver(outputs)
 
