@@ -32,6 +32,7 @@ from quantize.runtime.kernels import ops as kernels
 from quantize.runtime.modules import numerics, set_prefill_dtype
 from serve.block_pool import BlockPool
 from serve.control.controller import Knobs, Load
+from serve.detokenizer import IncrementalDetokenizer, Vocabulary
 from serve.kv_cache import KVLayout, parse_memory
 from serve.metrics import Metrics
 from serve.request import Owner, Request, SamplingParams, SharedChain
@@ -113,8 +114,14 @@ class RequestOutput:
 
 @dataclass
 class _Stream:
+    """A request's output text as it streams: `text` is the decoded text from character `base` on (what is not
+    sent yet, and the last `max_stop` characters sent, where a stop string may begin); `sent` counts the
+    characters sent so far."""
+
     request: Request
+    detokenizer: IncrementalDetokenizer
     text: str = ""
+    base: int = 0
     sent: int = 0
     max_stop: int = 0
     resumed: list[int] = field(default_factory=list)  # output tokens another engine already delivered
@@ -208,6 +215,7 @@ class Engine:
         )
         self.speculator = self._speculator(draft, device)
         self.eos_ids = self._eos_ids()
+        self.vocabulary = Vocabulary.of(tokenizer)
         self.streams: dict[str, _Stream] = {}
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
         self.stats = EngineStats()
@@ -339,10 +347,12 @@ class Engine:
             request.deadline = time.monotonic() + timeout
         stream = _Stream(
             request,
+            IncrementalDetokenizer(self.tokenizer, self.vocabulary),
             sent=resume_chars,
             max_stop=max((len(s) for s in params.stop), default=0),
             resumed=resumed,
         )
+        stream.text = stream.detokenizer.add(resumed)
         with self._wake:
             if request_id in self.streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -502,27 +512,15 @@ class Engine:
         else:
             request.output_ids.append(token)
             self.metrics.generated_tokens.inc()
+            stream.text += stream.detokenizer.add([token])
             if len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 reason = "length"
-        text = self.tokenizer.decode([*stream.resumed, *request.output_ids], skip_special_tokens=True)
-        if params.stop:
-            start = max(0, stream.sent - stream.max_stop)
-            hits = [(text.find(stop, start), stop) for stop in params.stop]
-            hits = [(pos, stop) for pos, stop in hits if pos >= 0]
-            if hits:
-                text = text[: min(pos for pos, _ in hits)]
-                reason = "stop"
-        stream.text = text
+        if reason is not None:
+            stream.text += stream.detokenizer.flush()
+        if params.stop and self._stopped(stream):
+            reason = "stop"
         finished = reason is not None
-        limit = len(text)
-        if not finished:
-            if text.endswith("\ufffd"):
-                limit = len(text.rstrip("\ufffd"))
-            if stream.max_stop:
-                limit = min(limit, len(text) - stream.max_stop + 1)
-        limit = max(limit, stream.sent)
-        delta = text[stream.sent : limit]
-        stream.sent = limit
+        delta = self._unsent(stream, finished)
         if finished:
             self.scheduler.finish(request, reason)  # type: ignore[arg-type]
             self.streams.pop(request.request_id, None)
@@ -534,6 +532,30 @@ class Engine:
         if not delta and not finished and not new_ids:
             return None
         return self._output(stream, delta, new_ids, finished)
+
+    @staticmethod
+    def _stopped(stream: _Stream) -> bool:
+        """Whether the text holds one of the request's stop strings (a stop string can begin in the last
+        `max_stop` characters sent); if so the text ends before the first."""
+        start = max(0, stream.sent - stream.max_stop - stream.base)
+        hits = [stream.text.find(stop, start) for stop in stream.request.params.stop]
+        hits = [pos for pos in hits if pos >= 0]
+        if hits:
+            stream.text = stream.text[: min(hits)]
+        return bool(hits)
+
+    @staticmethod
+    def _unsent(stream: _Stream, finished: bool) -> str:
+        """The text to send now: all of it when finished, else all but the last max_stop - 1 characters (a stop
+        string may still complete there); the text is then cut to what a later stop string could touch."""
+        end = stream.base + len(stream.text)
+        limit = end if finished or not stream.max_stop else end - stream.max_stop + 1
+        limit = max(limit, stream.sent)
+        delta = stream.text[stream.sent - stream.base : limit - stream.base]
+        stream.sent = limit
+        cut = max(0, min(len(stream.text), stream.sent - stream.max_stop - stream.base))
+        stream.text, stream.base = stream.text[cut:], stream.base + cut
+        return delta
 
     def step(self) -> bool:
         """One scheduling iteration; False when there was nothing to run."""

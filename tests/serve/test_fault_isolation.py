@@ -105,6 +105,31 @@ def test_a_row_whose_distribution_is_not_finite_finishes_alone(stories, monkeypa
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+def test_a_row_whose_decode_raises_finishes_alone(stories) -> None:
+    alone = _run(_engine(stories), {"a": (PROMPT, GREEDY)})["a"]
+    engine = _engine(stories)
+    outputs: dict[str, list[RequestOutput]] = {}
+    for request_id, prompt in (("a", PROMPT), ("bad", OTHER)):
+        engine.add(
+            request_id,
+            engine.tokenizer.encode(prompt),
+            GREEDY,
+            lambda o: outputs.setdefault(o.request_id, []).append(o),
+        )
+
+    class Broken:
+        def add(self, ids: list[int]) -> str:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+    engine.streams["bad"].detokenizer = Broken()  # type: ignore[assignment]
+    while engine.has_work():
+        engine.step()
+    assert outputs["bad"][-1].finish_reason == "error"
+    assert outputs["a"][-1].finish_reason == "length"
+    assert "".join(o.text for o in outputs["a"]) == alone.text
+    assert _errors(engine, "request") == 1
+
+
 def test_a_failing_model_run_fails_every_row_and_counts_as_a_step_error(stories) -> None:
     engine = _engine(stories)
 
