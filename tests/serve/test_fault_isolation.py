@@ -147,3 +147,28 @@ def test_a_failing_model_run_fails_every_row_and_counts_as_a_step_error(stories)
     engine._fail_all("RuntimeError: injected kernel failure")  # what `run` does with a failed step
     assert {o.finish_reason for o in outputs.values()} == {"error"} and len(outputs) == 2
     assert _errors(engine, "step") == 2 and _errors(engine, "request") == 0
+
+
+def test_over_http_a_tiny_temperature_fails_neither_request(stories) -> None:
+    """The attack as the issue observed it: two concurrent requests, one with temperature 1e-300; both got a
+    500 from the step's shared failure."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from serve.http import BackgroundServer
+    from serve.openai import ServerInfo
+
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with BackgroundServer(_engine(stories), ServerInfo(name="stories", version="1")) as url:
+        alone = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(
+                pool.map(
+                    lambda b: httpx.post(f"{url}/v1/completions", json=b, timeout=60),
+                    [body, {**body, "temperature": 1e-300}],
+                )
+            )
+        assert [a.status_code for a in answers] == [200, 200]
+        assert [a.json()["choices"][0]["text"] for a in answers] == [alone, alone]
+        assert 'finish_reason="error"' not in httpx.get(f"{url}/metrics").text
