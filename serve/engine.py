@@ -6,6 +6,10 @@ incrementally, apply stop conditions and hand each request its new text through 
 timed-out request frees its KV blocks immediately; if it was in the batch being computed, its result is
 dropped when the step commits. `run()` loops on a background thread until told to stop.
 
+Failures are isolated per request where they can be: a row whose own numbers fail (its sampling, stop matching
+or detokenizing raises) finishes that request alone with finish_reason "error"; only a failure every row shares
+(the model run) fails every request (`_fail_all`). /metrics counts the two by `scope`.
+
 With speculative decoding (`serve/speculative`), a step of few decodes first gets proposals (prompt lookup under
 the lock, a draft model's steps outside it), the runner verifies them as extra rows, and the tokens each request
 keeps are emitted together, its KV settled to them.
