@@ -166,3 +166,28 @@ def test_the_engine_streams_a_full_decode_and_stops_across_tokens(stories_engine
     pieces, _, reason = _generate(stories_engine(), TEXTS[0], params.replace(stop=("no such", stop)))
     assert reason == "stop" and "".join(pieces) == full[: full.find(stop)]
     assert all(stop not in piece for piece in pieces)
+
+
+def test_the_engines_decode_work_grows_linearly(stories_engine) -> None:
+    """500 tokens through the engine: every id it hands the tokenizer counted (a full decode per token would
+    hand it 125,250)."""
+    from serve.request import SamplingParams
+
+    engine = stories_engine()
+    real = engine.tokenizer
+    passed = {"ids": 0}
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            passed["ids"] += len(ids)
+            return real.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    engine.tokenizer = Counting()
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    pieces, ids, reason = _generate(engine, "Once", params)
+    assert reason == "length" and len(ids) == 500
+    assert "".join(pieces) == real.decode(ids, skip_special_tokens=True)
+    assert passed["ids"] < 12 * 500
