@@ -6,6 +6,10 @@ incrementally, apply stop conditions and hand each request its new text through 
 timed-out request frees its KV blocks immediately; if it was in the batch being computed, its result is
 dropped when the step commits. `run()` loops on a background thread until told to stop.
 
+Failures are isolated per request where they can be: a row whose own numbers fail (its sampling, stop matching
+or detokenizing raises) finishes that request alone with finish_reason "error"; only a failure every row shares
+(the model run) fails every request (`_fail_all`). /metrics counts the two by `scope`.
+
 With speculative decoding (`serve/speculative`), a step of few decodes first gets proposals (prompt lookup under
 the lock, a draft model's steps outside it), the runner verifies them as extra rows, and the tokens each request
 keeps are emitted together, its KV settled to them.
@@ -21,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +36,12 @@ from quantize.runtime.kernels import ops as kernels
 from quantize.runtime.modules import numerics, set_prefill_dtype
 from serve.block_pool import BlockPool
 from serve.control.controller import Knobs, Load
+from serve.detokenizer import IncrementalDetokenizer, Vocabulary
 from serve.kv_cache import KVLayout, parse_memory
 from serve.metrics import Metrics
 from serve.request import Owner, Request, SamplingParams, SharedChain
 from serve.runner import ModelRunner
-from serve.sampler import sample
+from serve.sampler import RowError, sample
 from serve.scheduler import Scheduled, Scheduler, SchedulerConfig, SchedulerOutput
 from serve.speculative.draft import DraftModel
 from serve.speculative.policy import SpeculationPolicy
@@ -112,8 +118,14 @@ class RequestOutput:
 
 @dataclass
 class _Stream:
+    """A request's output text as it streams: `text` is the decoded text from character `base` on (what is not
+    sent yet, and the last `max_stop` characters sent, where a stop string may begin); `sent` counts the
+    characters sent so far."""
+
     request: Request
+    detokenizer: IncrementalDetokenizer
     text: str = ""
+    base: int = 0
     sent: int = 0
     max_stop: int = 0
     resumed: list[int] = field(default_factory=list)  # output tokens another engine already delivered
@@ -207,6 +219,7 @@ class Engine:
         )
         self.speculator = self._speculator(draft, device)
         self.eos_ids = self._eos_ids()
+        self.vocabulary = Vocabulary.of(tokenizer)
         self.streams: dict[str, _Stream] = {}
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
         self.stats = EngineStats()
@@ -338,10 +351,12 @@ class Engine:
             request.deadline = time.monotonic() + timeout
         stream = _Stream(
             request,
+            IncrementalDetokenizer(self.tokenizer, self.vocabulary),
             sent=resume_chars,
             max_stop=max((len(s) for s in params.stop), default=0),
             resumed=resumed,
         )
+        stream.text = stream.detokenizer.add(resumed)
         with self._wake:
             if request_id in self.streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -501,27 +516,15 @@ class Engine:
         else:
             request.output_ids.append(token)
             self.metrics.generated_tokens.inc()
+            stream.text += stream.detokenizer.add([token])
             if len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 reason = "length"
-        text = self.tokenizer.decode([*stream.resumed, *request.output_ids], skip_special_tokens=True)
-        if params.stop:
-            start = max(0, stream.sent - stream.max_stop)
-            hits = [(text.find(stop, start), stop) for stop in params.stop]
-            hits = [(pos, stop) for pos, stop in hits if pos >= 0]
-            if hits:
-                text = text[: min(pos for pos, _ in hits)]
-                reason = "stop"
-        stream.text = text
+        if reason is not None:
+            stream.text += stream.detokenizer.flush()
+        if params.stop and self._stopped(stream):
+            reason = "stop"
         finished = reason is not None
-        limit = len(text)
-        if not finished:
-            if text.endswith("\ufffd"):
-                limit = len(text.rstrip("\ufffd"))
-            if stream.max_stop:
-                limit = min(limit, len(text) - stream.max_stop + 1)
-        limit = max(limit, stream.sent)
-        delta = text[stream.sent : limit]
-        stream.sent = limit
+        delta = self._unsent(stream, finished)
         if finished:
             self.scheduler.finish(request, reason)  # type: ignore[arg-type]
             self.streams.pop(request.request_id, None)
@@ -533,6 +536,30 @@ class Engine:
         if not delta and not finished and not new_ids:
             return None
         return self._output(stream, delta, new_ids, finished)
+
+    @staticmethod
+    def _stopped(stream: _Stream) -> bool:
+        """Whether the text holds one of the request's stop strings (a stop string can begin in the last
+        `max_stop` characters sent); if so the text ends before the first."""
+        start = max(0, stream.sent - stream.max_stop - stream.base)
+        hits = [stream.text.find(stop, start) for stop in stream.request.params.stop]
+        hits = [pos for pos in hits if pos >= 0]
+        if hits:
+            stream.text = stream.text[: min(hits)]
+        return bool(hits)
+
+    @staticmethod
+    def _unsent(stream: _Stream, finished: bool) -> str:
+        """The text to send now: all of it when finished, else all but the last max_stop - 1 characters (a stop
+        string may still complete there); the text is then cut to what a later stop string could touch."""
+        end = stream.base + len(stream.text)
+        limit = end if finished or not stream.max_stop else end - stream.max_stop + 1
+        limit = max(limit, stream.sent)
+        delta = stream.text[stream.sent - stream.base : limit - stream.base]
+        stream.sent = limit
+        cut = max(0, min(len(stream.text), stream.sent - stream.max_stop - stream.base))
+        stream.text, stream.base = stream.text[cut:], stream.base + cut
+        return delta
 
     def step(self) -> bool:
         """One scheduling iteration; False when there was nothing to run."""
@@ -587,26 +614,54 @@ class Engine:
         outputs: list[RequestOutput] = []
         tokens = sample(logits[[r for r, _ in plain]], [i.request for _, i in plain]) if plain else []
         for (_row, item), token in zip(plain, tokens, strict=True):
-            output = self._advance(self.streams[item.request.request_id], token)
+            stream = self.streams[item.request.request_id]
+            output = self._per_row(stream, partial(self._advance_sampled, stream, token))
             if output is not None:
                 outputs.append(output)
         for row, item in verifying:
-            request = item.request
-            verdict = self.speculator.verify(item, logits[row : row + 1 + len(item.proposal)])
-            stream = self.streams[request.request_id]
-            emitted = []
-            for index, token in enumerate(verdict.tokens):
-                if request.finished:
-                    break
-                # the tokens before this one are computed (the proposals the target kept): registered before
-                # this one is emitted, as plain decoding registers them before sampling the next
-                self.scheduler.settle(request, item.start + 1 + index, trim=False)
-                emitted.append(self._advance(stream, token))
-            merged = _merge([o for o in emitted if o is not None])
-            if merged is not None:
-                outputs.append(merged)
-            self.scheduler.settle(request, item.start + 1 + verdict.accepted)
+            stream = self.streams[item.request.request_id]
+            rows = logits[row : row + 1 + len(item.proposal)]
+            output = self._per_row(stream, partial(self._advance_verified, stream, item, rows))
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _per_row(self, stream: _Stream, work: Callable[[], RequestOutput | None]) -> RequestOutput | None:
+        """`work` on one request's row of a step; if it raises (its own sampling, stop matching or decoding),
+        that request alone finishes with 'error' and the step goes on."""
+        try:
+            return work()
+        except Exception as error:
+            request = stream.request
+            message = f"{type(error).__name__}: {error}"
+            _log.warning("request %s failed alone: %s", request.request_id, message)
+            self.stats.extra["last_request_error"] = message
+            self.metrics.request_errors.labels(scope="request").inc()
+            if request.finished:  # it failed after finishing: its final output still has to go out
+                self.streams.pop(request.request_id, None)
+                request.finish_reason = "error"
+                return self._output(stream, "", [], True)
+            return self._finish(stream, "error")
+
+    def _advance_sampled(self, stream: _Stream, token: int | RowError) -> RequestOutput | None:
+        if isinstance(token, RowError):
+            raise token
+        return self._advance(stream, token)
+
+    def _advance_verified(self, stream: _Stream, item: Scheduled, rows: torch.Tensor) -> RequestOutput | None:
+        """The tokens a verifying request keeps of its proposal, emitted; its KV settled to them."""
+        request = stream.request
+        verdict = self.speculator.verify(item, rows)
+        emitted = []
+        for index, token in enumerate(verdict.tokens):
+            if request.finished:
+                break
+            # the tokens before this one are computed (the proposals the target kept): registered before
+            # this one is emitted, as plain decoding registers them before sampling the next
+            self.scheduler.settle(request, item.start + 1 + index, trim=False)
+            emitted.append(self._advance(stream, token))
+        self.scheduler.settle(request, item.start + 1 + verdict.accepted)
+        return _merge([o for o in emitted if o is not None])
 
     def _count_admitted(self, scheduled: SchedulerOutput) -> None:
         """Queue time, per tenant and tier, of the requests that got their first seat this step."""
@@ -684,6 +739,7 @@ class Engine:
         with self._lock:
             self.stats.extra["last_error"] = message
             outputs = [self._finish(stream, "error") for stream in list(self.streams.values())]
+            self.metrics.request_errors.labels(scope="step").inc(len(outputs))
             self._update_gauges()
         self._deliver(outputs)
 

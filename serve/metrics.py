@@ -219,6 +219,13 @@ class Metrics:
         self.requests = Counter(
             "qpack_requests", "Finished requests by reason", ["finish_reason"], registry=r
         )
+        self.request_errors = Counter(
+            "qpack_request_errors",
+            "Requests finished with an error: scope request (its own sampling, stop matching or decoding "
+            "failed; the rest of its step went on), scope step (a failure every row of the step shared)",
+            ["scope"],
+            registry=r,
+        )
         self.rejected = Counter(
             "qpack_requests_rejected", "Requests rejected by back-pressure (429)", registry=r
         )

@@ -16,6 +16,11 @@ SessionName = tuple[
 ]  # (tenant, user, session id): a stored conversation, always inside a tenant
 
 
+# Temperatures below this are greedy (vLLM's cut-off too): dividing logits by a smaller one overflows float32 to
+# inf/NaN, which no sampler can draw from.
+GREEDY_TEMPERATURE = 1e-5
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -34,7 +39,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax sampling: temperature 0, or any under GREEDY_TEMPERATURE."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

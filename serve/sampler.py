@@ -16,18 +16,34 @@ import torch
 from serve.request import Request, SamplingParams
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits [S, vocab] float32, one row per request -> next token ids."""
+class RowError(Exception):
+    """One request's own numbers could not be sampled (a distribution that is not finite, a draw refused)."""
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int | RowError]:
+    """logits [S, vocab] float32, one row per request -> next token ids. A row that can't be sampled gets its
+    RowError in place of a token, and the other rows their tokens: one request's numbers never fail the
+    batch."""
     if all(s.params.greedy for s in requests):
         return logits.argmax(dim=-1).tolist()
-    tokens = []
+    tokens: list[int | RowError] = []
     for row, request in enumerate(requests):
         if request.params.greedy:
             tokens.append(int(logits[row].argmax()))
             continue
-        probs = distribution(logits[row], request.params)
-        tokens.append(int(torch.multinomial(probs, 1, generator=seeded(request, 0))))
+        try:
+            tokens.append(draw(logits[row], request))
+        except Exception as error:
+            tokens.append(RowError(f"{type(error).__name__}: {error}"))
     return tokens
+
+
+def draw(logits: torch.Tensor, request: Request) -> int:
+    """A sampled request's next token from its logits [vocab]; ValueError when its distribution is not finite."""
+    probs = distribution(logits, request.params)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError(f"no finite distribution at temperature {request.params.temperature}")
+    return int(torch.multinomial(probs, 1, generator=seeded(request, 0)))
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -229,7 +229,7 @@ class Generation:
             )
         if final.finish_reason == "error":
             failed = ApiError(
-                500, "the model step failed; see the server log", kind="server_error", code="engine_error"
+                500, "generating this request failed; see the server log", kind="server_error", code="engine_error"
             )
             return error_response(failed)
         body = render.response(
