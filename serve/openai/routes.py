@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -43,7 +42,7 @@ from serve.control.loop import ControlLoop, policies
 from serve.engine import Engine
 from serve.metrics import ControlMetrics, Labelled, TenantMetrics
 from serve.metrics import render as render_metrics
-from serve.openai.errors import error_response, session_not_found
+from serve.openai.errors import error_response, internal_error, session_not_found
 from serve.openai.generation import Generation
 from serve.openai.protocol import ApiError, session_label
 from serve.options import DEFAULT_MAX_REQUEST_BYTES
@@ -183,7 +182,7 @@ def create_app(target: Engine | Variants, info: ServerInfo) -> FastAPI:
     app.state.server_state = state
     app.state.start_draining = lambda: state.update(draining=True)
     app.add_middleware(Guard, info=info, draining=lambda: bool(state["draining"]))
-    app.add_exception_handler(Exception, _internal_error)
+    app.add_exception_handler(Exception, internal_error)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -325,12 +324,3 @@ def _forget(engines: list[Engine], tenant: Tenant, user: str | None, session_id:
     if session_id is None:
         return JSONResponse({"object": "sessions.deleted", "user": user, "blocks": blocks})
     return JSONResponse({"object": "session.deleted", "id": session_id, "user": user, "blocks": blocks})
-
-
-async def _internal_error(_request: Request, error: Exception) -> Response:
-    """A bug, never the client's input: logged with its traceback, answered in the OpenAI error shape."""
-    if isinstance(error, ApiError):
-        return error_response(error)
-    _log.error("request failed", exc_info=error)
-    body = ApiError(500, "internal server error; see the server log", kind="server_error").body()
-    return Response(json.dumps(body), status_code=500, media_type="application/json")
