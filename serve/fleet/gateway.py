@@ -43,7 +43,7 @@ from serve.openai import render
 from serve.openai.answers import Piece, disconnected, sse_events
 from serve.openai.errors import internal_error
 from serve.openai.protocol import ApiError, GenerationRequest, parse_json, parse_request, session_label
-from serve.openai.routes import Guard, ServerInfo, error_response, session_not_found
+from serve.openai.routes import Guard, ServerInfo, error_response, fastapi_app, session_not_found
 from serve.tenancy.admission import refusal
 from serve.tenancy.redis_limits import LimiterUnavailable, RedisAdmission
 from serve.tenancy.tenants import Caller, Tenant
@@ -390,7 +390,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
             await gateway.reader.aclose()
         await gateway.redis.aclose()
 
-    app = FastAPI(title="qpack fleet gateway", lifespan=lifespan)
+    app = fastapi_app("qpack fleet gateway", info, lifespan=lifespan)
     app.state.start_draining = lambda: state.update(draining=True)
     app.add_middleware(Guard, info=info, draining=lambda: state["draining"])
     app.add_exception_handler(Exception, internal_error)
