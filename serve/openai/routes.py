@@ -142,7 +142,7 @@ class Guard:
         if length is not None:
             if not length.isdigit():
                 return ApiError(400, "Content-Length must be a number of bytes")
-            if int(length) > self.info.max_request_bytes:
+            if len(length) > 18 or int(length) > self.info.max_request_bytes:  # 18 digits: int() stays cheap
                 return BodyTooLarge(self.info.max_request_bytes)
         return None
 

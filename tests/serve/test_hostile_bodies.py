@@ -156,6 +156,13 @@ def _redis_errors(fleet: Gateway) -> float:
     return _count(fleet, "qpack_fleet_redis_errors_total")
 
 
+def test_a_content_length_of_thousands_of_digits_is_a_413(gateway: tuple[TestClient, Gateway]) -> None:
+    client, _fleet = gateway
+    headers = {"content-length": "1" + "0" * 5_000, "content-type": "application/json"}
+    response = client.post("/v1/completions", content=b'{"prompt": "x"}', headers=headers)
+    assert response.status_code == 413 and "--max-request-bytes" in response.json()["error"]["message"]
+
+
 def test_the_server_still_answers_after_the_hostile_bodies(server: httpx.Client) -> None:
     answer = server.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "temperature": 0})
     assert answer.status_code == 200 and server.get("/health").status_code == 200
