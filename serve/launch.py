@@ -13,7 +13,7 @@ from serve.control.controller import ControlConfig
 from serve.fleet.run import run_all, run_gateway, run_worker
 from serve.http import serve_app
 from serve.loading import start_variants
-from serve.openai.routes import ServerInfo, create_app
+from serve.openai.routes import ServerInfo, create_app, docs_served
 from serve.options import LOOPBACK, ServeOptions
 from serve.tenancy.tenants import TenantsSource
 from serve.variants import prioritize, top_tier_patience
@@ -51,6 +51,7 @@ def run_server(
         options.max_request_bytes,
         control=control_config(options),
         metrics_key=options.metrics_key,
+        docs=docs_served(options.host, not tenants.current.open),
     )
     if options.role == "gateway":
         run_gateway(options, info, log)
@@ -82,6 +83,7 @@ def _run_single(options: ServeOptions, tenants: TenantsSource, log: Callable[[st
         variants.primary.engine.numerics(),
         control_config(options),
         options.metrics_key,
+        docs_served(options.host, not tenants.current.open),
     )
     app = create_app(variants, info)
     tenants.reload_on_sighup(log, app.state.tenant_metrics.reloaded)

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from quantize.common.config import Problems
 from quantize.common.errors import QpackError
@@ -27,6 +28,16 @@ CODECS = ("zstd", "zlib", "lz4", "none")  # of stored KV blocks (serve/tiers/cod
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")  # serve/speculative/policy.py's MODES
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+
+
+def redacted(url: str) -> str:
+    """`url` as logs may show it: a password in it (redis://:PASSWORD@host:6379/0) becomes ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def _is_size(text: str) -> bool:
@@ -130,7 +141,8 @@ class ServeOptions:
     isolate_users: bool = False
     """Salt prefix caching by each request's `user`: no sharing across users."""
     redis: str | None = None
-    """Redis URL of the fleet's queue (redis://127.0.0.1:6379/0); needs a fleet role."""
+    """Redis URL of the fleet's queue (redis://127.0.0.1:6379/0, or redis://:PASSWORD@host:6379/0: logged with
+    the password as ***; QPACK_REDIS_URL keeps it off the command line); needs a fleet role."""
     role: str = "single"
     """single (one process, no Redis), gateway (API, no model), worker (engine behind Redis), or all (gateway +
     workers here)."""
@@ -197,6 +209,12 @@ class ServeOptions:
             self.metrics_key is None or (self.metrics_key.strip() == self.metrics_key != ""),
             "metrics_key",
             "must not be empty or padded",
+        )
+        problems.check(
+            self.metrics_key is not None or self.tenants_file is None or self.host in LOOPBACK,
+            "metrics_key",
+            f"is required with `tenants_file` on a non-loopback `host` ({self.host}): /metrics names every "
+            "tenant; set --metrics-key KEY (or QPACK_METRICS_KEY), or bind --host 127.0.0.1",
         )
         problems.check_choice(self.dtype, "dtype", MODEL_DTYPES)
         problems.check(

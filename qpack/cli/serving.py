@@ -68,7 +68,7 @@ SERVE = Options(
         "speculative_k",
         "speculative_max_batch",
         "draft_kv_memory",
-        "redis",
+        Option("redis", ("--redis",), envvar="QPACK_REDIS_URL"),
         "role",
         "workers",
         "worker_variants",

@@ -41,8 +41,9 @@ from serve.fleet.reader import ReaderClosed, ResponseReader
 from serve.metrics import ControlMetrics, TenantMetrics, TenantUsage
 from serve.openai import render
 from serve.openai.answers import Piece, disconnected, sse_events
+from serve.openai.errors import internal_error
 from serve.openai.protocol import ApiError, GenerationRequest, parse_json, parse_request, session_label
-from serve.openai.routes import Guard, ServerInfo, error_response, session_not_found
+from serve.openai.routes import Guard, ServerInfo, error_response, fastapi_app, session_not_found
 from serve.tenancy.admission import refusal
 from serve.tenancy.redis_limits import LimiterUnavailable, RedisAdmission
 from serve.tenancy.tenants import Caller, Tenant
@@ -389,9 +390,10 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
             await gateway.reader.aclose()
         await gateway.redis.aclose()
 
-    app = FastAPI(title="qpack fleet gateway", lifespan=lifespan)
+    app = fastapi_app("qpack fleet gateway", info, lifespan=lifespan)
     app.state.start_draining = lambda: state.update(draining=True)
     app.add_middleware(Guard, info=info, draining=lambda: state["draining"])
+    app.add_exception_handler(Exception, internal_error)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -498,6 +500,9 @@ async def _respond(gateway: Gateway, request: Request, chat: bool) -> Response:
         metrics.outcome(error.status, None, tenant)
         return error_response(error)
     except Exception as exc:
+        if not _redis_failure(exc):  # a bug: the app's handler answers 500, never "Redis unreachable"
+            metrics.outcome(500, None, tenant)
+            raise
         metrics.redis_errors.inc()
         metrics.outcome(503, None, tenant)
         _log.warning("fleet gateway: cannot queue a request: %r", exc)
@@ -542,6 +547,13 @@ async def _respond(gateway: Gateway, request: Request, chat: bool) -> Response:
     )
     response.headers.update(headers)
     return response
+
+
+def _redis_failure(error: BaseException) -> bool:
+    """Whether `error` is Redis that could not be asked (down, unreachable, too slow): a 503 the client retries."""
+    from redis.exceptions import RedisError
+
+    return isinstance(error, (RedisError, OSError, TimeoutError))
 
 
 def _count_usage(gateway: Gateway, caller: Caller, usage: dict[str, Any] | None) -> None:

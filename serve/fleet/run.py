@@ -28,7 +28,7 @@ from serve.metrics import Labelled
 from serve.metrics import render as render_metrics
 from serve.openai.errors import error_response
 from serve.openai.routes import ServerInfo, metrics_refusal
-from serve.options import ServeOptions
+from serve.options import ServeOptions, redacted
 from serve.variants import prioritize
 
 
@@ -41,7 +41,8 @@ def check_redis(url: str) -> None:
         client.ping()
     except (redis.RedisError, ValueError, OSError) as exc:
         raise QpackError(
-            f"Redis at {url} is unreachable ({exc}); start redis-server or fix `redis` (e.g. redis://127.0.0.1:6379/0)"
+            f"Redis at {redacted(url)} is unreachable ({exc}); start redis-server or fix `redis` "
+            "(e.g. redis://127.0.0.1:6379/0)"
         ) from None
 
 
@@ -55,7 +56,7 @@ def run_gateway(options: ServeOptions, info: ServerInfo, log: Callable[[str], No
     check_redis(url)
     gateway = Gateway(GatewayConfig(url, options.max_queue, options.request_timeout, info))
     info.tenants.reload_on_sighup(log, gateway.metrics.tenants.reloaded)
-    log(f"qpack fleet gateway on http://{options.host}:{options.port} (queue: {url})")
+    log(f"qpack fleet gateway on http://{options.host}:{options.port} (queue: {redacted(url)})")
     serve_app(create_gateway_app(gateway), options.host, options.port)
 
 
@@ -75,7 +76,7 @@ def run_worker(options: ServeOptions, log: Callable[[str], None]) -> None:
     for worker in workers:
         log(
             f"qpack fleet worker {worker.config.worker_id}: {worker.variant} v{worker.config.version} "
-            f"(queue: {url}, port {server.port})"
+            f"(queue: {redacted(url)}, port {server.port})"
         )
     threads = [
         threading.Thread(target=worker.run, args=(stop,), name=f"qpack-worker-{worker.variant}")
@@ -137,7 +138,7 @@ def worker_server(app: FastAPI, host: str, port: int, log: Callable[[str], None]
 def worker_app(workers: list[FleetWorker], metrics_key: str | None = None) -> FastAPI:
     """A fleet worker process's own HTTP face: `/health` and `/metrics` (its engines', plus claims; several
     builds' engines labelled by `variant`; only for the bearer of `metrics_key` when there is one)."""
-    app = FastAPI(title="qpack fleet worker")
+    app = FastAPI(title="qpack fleet worker", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.start_draining = lambda: None
 
     @app.get("/health")
@@ -178,8 +179,9 @@ def worker_options(options: ServeOptions, index: int) -> ServeOptions:
     every one, `worker_variants` all; with `variants`, under the name of the model they were built from), its
     own port after the gateway's, one thread
     unless --threads says otherwise, its /health and /metrics on loopback, and no API keys or tenants (a worker
-    serves no API and trusts the gateway's stamp; its options travel on a command line, so the metrics key
-    travels in its environment, `QPACK_METRICS_KEY`, out of `ps`). The ports after the
+    serves no API and trusts the gateway's stamp; its options travel on a command line, so the metrics key and
+    the Redis URL travel in its environment, `QPACK_METRICS_KEY` and `QPACK_REDIS_URL`, out of `ps`; the URL
+    on the command line has its password as ***). The ports after the
     gateway's may be held by a client connection's local end (loopback clients take ephemeral ports): a worker
     that finds its port taken serves /health and /metrics on a free one and says which."""
     targets = (options.target or "", *options.variants)
@@ -197,7 +199,19 @@ def worker_options(options: ServeOptions, index: int) -> ServeOptions:
         api_key_file=None,
         tenants_file=None,
         metrics_key=None,
+        redis=redacted(options.redis) if options.redis else None,
     )
+
+
+def worker_command(options: ServeOptions, index: int) -> list[str]:
+    """The command line of a `--role all` gateway's INDEX-th worker: no secret on it (`ps` shows it to all)."""
+    return [sys.executable, "-m", "serve.fleet.worker_process", worker_options(options, index).to_json()]
+
+
+def worker_environment(options: ServeOptions) -> dict[str, str]:
+    """The workers' environment: this process's, with the metrics key and the whole Redis URL."""
+    secrets = {"QPACK_METRICS_KEY": options.metrics_key, "QPACK_REDIS_URL": options.redis}
+    return {**os.environ, **{name: value for name, value in secrets.items() if value}}
 
 
 def run_all(options: ServeOptions, info: ServerInfo, log: Callable[[str], None]) -> None:
@@ -210,14 +224,8 @@ def run_all(options: ServeOptions, info: ServerInfo, log: Callable[[str], None])
         raise QpackError(
             f"`workers` {options.workers} cannot serve {len(targets)} variants; give one each at least"
         )
-    env = {**os.environ, **({"QPACK_METRICS_KEY": options.metrics_key} if options.metrics_key else {})}
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "serve.fleet.worker_process", worker_options(options, index).to_json()],
-            env=env,
-        )
-        for index in range(options.workers)
-    ]
+    env = worker_environment(options)
+    workers = [subprocess.Popen(worker_command(options, index), env=env) for index in range(options.workers)]
     log(f"started {len(workers)} workers (pids {', '.join(str(w.pid) for w in workers)})")
     try:
         run_gateway(options, info, log)

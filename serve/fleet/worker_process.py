@@ -2,7 +2,8 @@
 starts it (`serve.fleet.run.run_all`), from the `ServeOptions` it hands over as JSON.
 
 The serve library's own entry point, so that starting workers never calls back up into the application's CLI.
-Progress goes to stderr; bad options or an unreachable Redis are one line there and exit code 2, as with
+Secrets come in the environment, never on the command line: `QPACK_METRICS_KEY` and `QPACK_REDIS_URL` (the
+Redis URL with its password; the options' own `redis` has it as ***). Progress goes to stderr; bad options or an unreachable Redis are one line there and exit code 2, as with
 `qpack serve`.
 """
 
@@ -28,6 +29,8 @@ def main(argv: list[str]) -> int:
         options = ServeOptions.from_json(argv[0])
         if options.metrics_key is None and os.environ.get("QPACK_METRICS_KEY"):
             options = dataclasses.replace(options, metrics_key=os.environ["QPACK_METRICS_KEY"])
+        if os.environ.get("QPACK_REDIS_URL"):  # the URL with its password, kept off the command line
+            options = dataclasses.replace(options, redis=os.environ["QPACK_REDIS_URL"])
         if options.role != "worker":
             raise QpackError(f"serve.fleet.worker_process runs --role worker (got --role {options.role})")
         options.validate()

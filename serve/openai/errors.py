@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+import json
+import logging
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from serve.openai.protocol import ApiError
+
+_log = logging.getLogger("qpack.serve")
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -24,3 +30,12 @@ def session_not_found(user: str | None, session_id: str | None) -> ApiError:
         + (f" of user {user!r}" if user else "")
     )
     return ApiError(404, f"no stored {what} for this API key", "session_id", "session_not_found")
+
+
+async def internal_error(_request: Request, error: Exception) -> Response:
+    """A bug, never the client's input: logged with its traceback, answered in the OpenAI error shape."""
+    if isinstance(error, ApiError):
+        return error_response(error)
+    _log.error("request failed", exc_info=error)
+    body = ApiError(500, "internal server error; see the server log", kind="server_error").body()
+    return Response(json.dumps(body), status_code=500, media_type="application/json")

@@ -136,8 +136,8 @@ class Generation:
         caller: Caller | None = None
         try:
             body = parse_json(await request.body())
-            pinned = self.variants.pinned(body.get("model"))
             parsed = parse_request(body, chat)
+            pinned = self.variants.pinned(body.get("model"))
             check_text_size(parsed, self.max_chars, self.variants.primary.engine.max_model_len)
             caller = self.tenants.current.caller(tenant, parsed.service_tier)
             self.control.arrived(caller)

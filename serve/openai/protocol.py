@@ -9,29 +9,40 @@ OpenAI shape (`{"error": {"message", "type", "param", "code"}}`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from serve.openai.jsonbody import BodyRejected, load
 from serve.request import SamplingParams
 from serve.tenancy.tenants import REQUESTED_SERVICE_TIERS
 
-UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v not in (None, 1),
-    "best_of": lambda v: v not in (None, 1),
-    "logprobs": lambda v: v not in (None, False, 0),
-    "top_logprobs": lambda v: v not in (None, 0),
-    "echo": lambda v: v not in (None, False),
-    "suffix": lambda v: v is not None,
-    "logit_bias": lambda v: bool(v),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "tools": lambda v: bool(v),
-    "functions": lambda v: bool(v),
-    "response_format": lambda v: v not in (None, {"type": "text"}),
+_T = TypeVar("_T")
+_NO_STOPS: tuple[str, ...] = ()
+
+
+def _one(value: Any) -> bool:
+    return value is None or (type(value) is int and value == 1)
+
+
+# Options that would change the result if ignored: (refused when, what may be sent instead)
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: not _one(v), " or send 1"),
+    "best_of": (lambda v: not _one(v), " or send 1"),
+    "logprobs": (lambda v: v not in (None, False, 0), " or send false"),
+    "top_logprobs": (lambda v: v not in (None, 0), " or send 0"),
+    "echo": (lambda v: v not in (None, False), " or send false"),
+    "suffix": (lambda v: v is not None, ""),
+    "logit_bias": (bool, " or send {}"),
+    "presence_penalty": (lambda v: v not in (None, 0, 0.0), " or send 0"),
+    "frequency_penalty": (lambda v: v not in (None, 0, 0.0), " or send 0"),
+    "tools": (bool, " or send []"),
+    "functions": (bool, " or send []"),
+    "response_format": (lambda v: v not in (None, {"type": "text"}), ' or send {"type": "text"}'),
 }
 ROLES = ("system", "user", "assistant", "developer")
+MAX_MODEL_CHARS = 256
+MAX_SHOWN = 8  # bad messages named in one 400
 
 
 class ApiError(Exception):
@@ -84,50 +95,84 @@ class GenerationRequest:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, within `jsonbody`'s bounds (depth, integer digits, finite numbers, UTF-8);
+    anything else is a 400."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}") from None
+        body = load(raw)
+    except BodyRejected as exc:
+        raise ApiError(400, str(exc), code="invalid_json") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        raise ApiError(
+            400,
+            f"the request body must be a JSON object (got {_json_type(body)}); send {{...}}",
+            code="invalid_json",
+        )
     return body
 
 
 def parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
-    """Every field checked, in the order a client would fix them: the prompt, then the options."""
-    prompt = None if chat else _prompt(body)
-    messages = _messages(body) if chat else None
-    for key, bad in UNSUPPORTED.items():
+    """Every field checked and every problem reported in one 400 (the prompt's first, as a client would fix
+    them)."""
+    problems = _Problems()
+    prompt = None if chat else problems.take(lambda: _prompt(body), None)
+    messages = problems.take(lambda: _messages(body), None) if chat else None
+    for key, (bad, accepted) in UNSUPPORTED.items():
         if key in body and bad(body[key]):
-            raise ApiError(400, f"'{key}' is not supported by this server", key, "unsupported_parameter")
+            problems.add(
+                f"'{key}' is not supported by this server (got {_shown(body[key])}); leave it out{accepted}",
+                key,
+                "unsupported_parameter",
+            )
+    problems.take(lambda: _model(body), None)
     max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise ApiError(400, "'stream_options' must be an object", "stream_options")
-    top_k = _number(body, "top_k", 0, -1, 1_000_000, integer=True)
-    return GenerationRequest(
-        chat=chat,
-        prompt=prompt,
-        messages=messages,
-        max_key=max_key,
-        max_tokens=_max_tokens(body, max_key),
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)),
-        top_k=0 if top_k == -1 else top_k,
-        seed=_seed(body),
-        stop=_stops(body),
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        stream=stream,
-        include_usage=bool(options.get("include_usage")),
-        priority=int(_number(body, "priority", 0, -1_000_000, 1_000_000, integer=True)),
-        cache_salt=_cache_salt(body),
-        user=_label(body, "user"),
-        session_id=_label(body, "session_id"),
-        service_tier=_service_tier(body),
-    )
+    top_k = problems.take(lambda: _number(body, "top_k", 0, -1, 1_000_000, integer=True), 0)
+    fields: dict[str, Any] = {
+        "max_tokens": problems.take(lambda: _max_tokens(body, max_key), None),
+        "temperature": problems.take(lambda: float(_number(body, "temperature", 1.0, 0.0, 2.0)), 1.0),
+        "top_p": problems.take(lambda: float(_number(body, "top_p", 1.0, 1e-6, 1.0)), 1.0),
+        "top_k": 0 if top_k == -1 else top_k,
+        "seed": problems.take(lambda: _seed(body), None),
+        "stop": problems.take(lambda: _stops(body), _NO_STOPS),
+        "ignore_eos": problems.take(lambda: _flag(body, "ignore_eos"), False),
+        "stream": problems.take(lambda: _flag(body, "stream"), False),
+        "include_usage": problems.take(lambda: _include_usage(body), False),
+        "priority": problems.take(
+            lambda: int(_number(body, "priority", 0, -1_000_000, 1_000_000, integer=True)), 0
+        ),
+        "cache_salt": problems.take(lambda: _cache_salt(body), None),
+        "user": problems.take(lambda: _label(body, "user"), None),
+        "session_id": problems.take(lambda: _label(body, "session_id"), None),
+        "service_tier": problems.take(lambda: _service_tier(body), None),
+    }
+    problems.raise_any()
+    return GenerationRequest(chat=chat, prompt=prompt, messages=messages, max_key=max_key, **fields)
+
+
+class _Problems:
+    """The field errors of one body, gathered so that a client fixes them all in one round."""
+
+    def __init__(self) -> None:
+        self.errors: list[ApiError] = []
+
+    def add(self, message: str, param: str, code: str | None = None) -> None:
+        self.errors.append(ApiError(400, message, param, code))
+
+    def take(self, parse: Callable[[], _T], default: _T) -> _T:
+        """What `parse` returns, or `default` with its error kept."""
+        try:
+            return parse()
+        except ApiError as error:
+            self.errors.append(error)
+            return default
+
+    def raise_any(self) -> None:
+        """One 400 naming every problem (its `param` the first's)."""
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            first = self.errors[0]
+            message = f"{len(self.errors)} problems: " + "; ".join(e.message for e in self.errors)
+            raise ApiError(400, message, first.param, first.code)
 
 
 def sampling_params(
@@ -210,26 +255,64 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    """Role and text of each message (text parts of a content list joined; 'developer' read as 'system')."""
+    """Role and text of each message (text parts of a content list joined; 'developer' read as 'system'); every
+    bad message named in one 400 (the first `MAX_SHOWN` of them)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", "messages")
-    clean = []
+        raise ApiError(
+            400,
+            f"'messages' must be a non-empty list of {{role, content}} objects (got {_shown(messages)})",
+            "messages",
+        )
+    clean, problems = [], []
     for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, f"messages[{index}] must be an object with a 'role'", "messages")
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(
-                p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-            )
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{index}].content must be a string", "messages")
-        if message["role"] not in ROLES:
-            raise ApiError(400, f"messages[{index}].role {message['role']!r} is not supported", "messages")
-        role = "system" if message["role"] == "developer" else message["role"]
-        clean.append({"role": role, "content": _text(content, f"messages[{index}].content", "messages")})
+        try:
+            clean.append(_message(message, f"messages[{index}]"))
+        except ApiError as error:
+            problems.append(error.message)
+    if problems:
+        more = f" (and {len(problems) - MAX_SHOWN} more)" if len(problems) > MAX_SHOWN else ""
+        raise ApiError(400, "; ".join(problems[:MAX_SHOWN]) + more, "messages")
     return clean
+
+
+def _message(message: Any, where: str) -> dict[str, str]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ApiError(
+            400, f"{where} must be an object with a 'role' string (got {_shown(message)})", "messages"
+        )
+    if message["role"] not in ROLES:
+        raise ApiError(
+            400,
+            f"{where}.role {_shown(message['role'])} is not supported; use one of {', '.join(ROLES)}",
+            "messages",
+        )
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(_text_part(part, f"{where}.content[{index}]") for index, part in enumerate(content))
+    if not isinstance(content, str):
+        raise ApiError(
+            400,
+            f"{where}.content must be a string or a list of text parts (got {_shown(content)})",
+            "messages",
+        )
+    role = "system" if message["role"] == "developer" else message["role"]
+    return {"role": role, "content": _text(content, f"{where}.content", "messages")}
+
+
+def _text_part(part: Any, where: str) -> str:
+    """The text of one content part ('' for a part of another type, e.g. an image, which is not read)."""
+    if not isinstance(part, dict):
+        raise ApiError(400, f'{where} must be an object like {{"type": "text", "text": "..."}}', "messages")
+    kind = part.get("type")
+    if not isinstance(kind, str):
+        raise ApiError(400, f'{where}.type must be a string such as "text" (got {_shown(kind)})', "messages")
+    if kind != "text":
+        return ""
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ApiError(400, f"{where}.text must be a string (got {_shown(text)})", "messages")
+    return text
 
 
 def _number(
@@ -240,7 +323,8 @@ def _number(
         return default
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
-        raise ApiError(400, f"'{key}' must be {'an integer' if integer else 'a number'}", key)
+        kind = "an integer" if integer else "a number"
+        raise ApiError(400, f"'{key}' must be {kind} (got {_shown(value)})", key)
     if not low <= value <= high:
         raise ApiError(400, f"'{key}' must be between {low} and {high} (got {value})", key)
     return value
@@ -251,7 +335,7 @@ def _max_tokens(body: dict[str, Any], max_key: str) -> int | None:
     if raw is None:
         return None
     if isinstance(raw, bool) or not isinstance(raw, int):
-        raise ApiError(400, f"'{max_key}' must be an integer", max_key)
+        raise ApiError(400, f"'{max_key}' must be an integer (got {_shown(raw)})", max_key)
     if raw <= 0:
         raise ApiError(400, f"'{max_key}' must be at least 1 (got {raw})", max_key)
     return raw
@@ -265,7 +349,7 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
         return (_text(stop, "stop", "stop"),) if stop else ()
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
         return tuple(_text(s, "stop", "stop") for s in stop if s)
-    raise ApiError(400, "'stop' must be a string or a list of up to 16 strings", "stop")
+    raise ApiError(400, f"'stop' must be a string or a list of up to 16 strings (got {_shown(stop)})", "stop")
 
 
 def session_label(user: str | None, session_id: str | None) -> tuple[str | None, str | None]:
@@ -282,7 +366,9 @@ def _label(body: dict[str, Any], key: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not 0 < len(value) <= 256 or not value.isprintable():
-        raise ApiError(400, f"'{key}' must be a printable string of 1 to 256 characters", key)
+        raise ApiError(
+            400, f"'{key}' must be a printable string of 1 to 256 characters (got {_shown(value)})", key
+        )
     return _text(value, key, key)
 
 
@@ -293,7 +379,7 @@ def _service_tier(body: dict[str, Any]) -> str | None:
         return None
     if tier not in REQUESTED_SERVICE_TIERS:
         choices = ", ".join(REQUESTED_SERVICE_TIERS)
-        raise ApiError(400, f"'service_tier' must be one of {choices} (got {tier!r})", "service_tier")
+        raise ApiError(400, f"'service_tier' must be one of {choices} (got {_shown(tier)})", "service_tier")
     return str(tier)
 
 
@@ -311,5 +397,53 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
 def _seed(body: dict[str, Any]) -> int | None:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(400, "'seed' must be an integer", "seed")
+        raise ApiError(400, f"'seed' must be an integer (got {_shown(seed)})", "seed")
     return seed
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or len(model) > MAX_MODEL_CHARS):
+        raise ApiError(
+            400,
+            f"'model' must be a string of at most {MAX_MODEL_CHARS} characters (got {_shown(model)})",
+            "model",
+        )
+    return model
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"'{key}' must be a boolean, true or false (got {_shown(value)})", key)
+    return bool(value)
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ApiError(400, f"'stream_options' must be an object (got {_shown(options)})", "stream_options")
+    usage = options.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise ApiError(
+            400, f"'stream_options.include_usage' must be a boolean (got {_shown(usage)})", "stream_options"
+        )
+    return bool(usage)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type."""
+    if value is None:
+        return "null"
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _shown(value: Any) -> str:
+    """A client's value as an error message may quote it: short, one line, its type when it is a container."""
+    if isinstance(value, (dict, list)) or value is None:
+        return _json_type(value)
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."

@@ -16,6 +16,12 @@
 - A client that disconnects aborts its request at once, streaming or not: a watcher task waits for the ASGI
   `http.disconnect` beside the engine's outputs, so its KV blocks are freed within one engine step.
 - Nothing a client sends produces a non-JSON 500: a catch-all answers any bug with an OpenAI-shaped 500.
+- Exposure: `/metrics` names tenants, so a server with a tenants file on a non-loopback address refuses to start
+  without a metrics key (`ServeOptions.validate`). `/docs`, `/redoc` and `/openapi.json` are off (404) on a
+  non-loopback address whenever the server has API keys (`docs_served`): they would show an unauthenticated
+  caller the whole surface, and a browser cannot send the metrics key to read them. On loopback, or on a server
+  without keys (which anyone reaching it may use anyway), they stay on. The fleet gateway follows the same rule;
+  a fleet worker's own app (/health, /metrics) serves no docs.
 
 Handlers run on the asyncio loop; the engine steps on its own thread and hands each request its new text through
 a thread-safe callback into the request's asyncio queue. A full queue is a 429 with Retry-After. While the
@@ -26,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -43,10 +48,10 @@ from serve.control.loop import ControlLoop, policies
 from serve.engine import Engine
 from serve.metrics import ControlMetrics, Labelled, TenantMetrics
 from serve.metrics import render as render_metrics
-from serve.openai.errors import error_response, session_not_found
+from serve.openai.errors import error_response, internal_error, session_not_found
 from serve.openai.generation import Generation
 from serve.openai.protocol import ApiError, session_label
-from serve.options import DEFAULT_MAX_REQUEST_BYTES
+from serve.options import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK
 from serve.tenancy.tenants import Tenant, TenantsSource, key_digest
 from serve.variants import Variants
 
@@ -69,6 +74,21 @@ class ServerInfo:
     numerics: dict[str, Any] = field(default_factory=dict)  # how the model computes (`Engine.numerics`)
     control: ControlConfig | None = None  # the surge controller's settings (None: the static configuration)
     metrics_key: str | None = None  # the bearer key /metrics asks for (None: open)
+    docs: bool = True  # serve /docs, /redoc and /openapi.json (`docs_served`)
+
+
+NO_DOCS: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+
+
+def docs_served(host: str, keyed: bool) -> bool:
+    """Whether /docs, /redoc and /openapi.json are served: on a loopback bind, or by a server without API keys
+    (open to whoever reaches it anyway); a keyed server on a public address shows its surface to no one."""
+    return host in LOOPBACK or not keyed
+
+
+def fastapi_app(title: str, info: ServerInfo, **kwargs: Any) -> FastAPI:
+    """The FastAPI app of a server, with its docs routes only where `info.docs` allows them."""
+    return FastAPI(title=title, **kwargs, **({} if info.docs else NO_DOCS))
 
 
 class BodyTooLarge(ApiError):
@@ -122,7 +142,7 @@ class Guard:
         if length is not None:
             if not length.isdigit():
                 return ApiError(400, "Content-Length must be a number of bytes")
-            if int(length) > self.info.max_request_bytes:
+            if len(length) > 18 or int(length) > self.info.max_request_bytes:  # 18 digits: int() stays cheap
                 return BodyTooLarge(self.info.max_request_bytes)
         return None
 
@@ -175,7 +195,7 @@ def create_app(target: Engine | Variants, info: ServerInfo) -> FastAPI:
     generation = Generation(variants, info.tenants, control, tenant_metrics, info.request_timeout)
     state: dict[str, Any] = {"draining": False, "threads": []}
     engines = [served.engine for served in variants]
-    app = FastAPI(title="qpack serve", lifespan=_lifespan(variants, control, generation, state))
+    app = fastapi_app("qpack serve", info, lifespan=_lifespan(variants, control, generation, state))
     app.state.variants = variants
     app.state.info = info
     app.state.control = control
@@ -183,7 +203,7 @@ def create_app(target: Engine | Variants, info: ServerInfo) -> FastAPI:
     app.state.server_state = state
     app.state.start_draining = lambda: state.update(draining=True)
     app.add_middleware(Guard, info=info, draining=lambda: bool(state["draining"]))
-    app.add_exception_handler(Exception, _internal_error)
+    app.add_exception_handler(Exception, internal_error)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -325,12 +345,3 @@ def _forget(engines: list[Engine], tenant: Tenant, user: str | None, session_id:
     if session_id is None:
         return JSONResponse({"object": "sessions.deleted", "user": user, "blocks": blocks})
     return JSONResponse({"object": "session.deleted", "id": session_id, "user": user, "blocks": blocks})
-
-
-async def _internal_error(_request: Request, error: Exception) -> Response:
-    """A bug, never the client's input: logged with its traceback, answered in the OpenAI error shape."""
-    if isinstance(error, ApiError):
-        return error_response(error)
-    _log.error("request failed", exc_info=error)
-    body = ApiError(500, "internal server error; see the server log", kind="server_error").body()
-    return Response(json.dumps(body), status_code=500, media_type="application/json")
