@@ -1,0 +1,221 @@
+"""Session state a tenant cannot grow or stall: the index of stored conversations is bounded (an entry dies with
+its last stored block, each tenant has a cap), a deletion or expiry costs only its tenant's sessions, blocks still
+queued for a deleted session are never written, and every engine sharing a disk folder keeps its own index, found
+again after a restart."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve.tiers.codec import BlockLayout
+from serve.tiers.stores import DiskStore, HostStore
+from serve.tiers.tiered import TieredKV
+
+LAYOUT = BlockLayout(b"m" * 32, torch.float32, 4, 2, 2, 8)  # 1 KiB raw: one 16 KiB host page per block
+OTHER_MODEL = BlockLayout(b"n" * 32, torch.float32, 4, 2, 2, 8)
+PAGE = 16 * 1024
+
+
+def _block(seed: int) -> torch.Tensor:
+    return torch.randn(LAYOUT.shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def test_an_index_entry_dies_with_its_last_stored_block() -> None:
+    tiers = TieredKV(LAYOUT, HostStore(2 * PAGE), None)  # room for two blocks
+    for i in range(3):
+        tiers.offer(_key(i), _block(i), ("acme", "u", f"s{i}"))
+        tiers.flush()
+    assert set(tiers.sessions) == {("acme", "u", "s1"), ("acme", "u", "s2")}  # s0's only block was evicted
+    assert tiers.host is not None and tiers.host.delete(_key(1))  # dropped (a corrupt block is deleted so)
+    assert set(tiers.sessions) == {("acme", "u", "s2")}
+    tiers.close()
+
+
+def test_a_block_two_sessions_hold_keeps_both_entries_until_it_goes(tmp_path: Path) -> None:
+    host, disk = HostStore(4 * PAGE), DiskStore(tmp_path / "t2", 10**6)
+    tiers = TieredKV(LAYOUT, host, disk)
+    tiers.offer(_key(1), _block(1), ("acme", "u", "a"))
+    tiers.offer(_key(1), _block(1), ("acme", "u", "b"))
+    tiers.flush()
+    host.delete(_key(1))  # still on disk: both sessions still hold a stored block
+    assert set(tiers.sessions) == {("acme", "u", "a"), ("acme", "u", "b")}
+    disk.delete(_key(1))
+    assert not tiers.sessions
+    tiers.close()
+
+
+def test_each_tenant_indexes_at_most_its_cap_and_the_oldest_session_goes_first() -> None:
+    tiers = TieredKV(LAYOUT, HostStore(64 * PAGE), None)
+    for i in range(5):
+        tiers.touch(("acme", "u", f"s{i}"), max_sessions=3)
+        tiers.offer(_key(i), _block(i), ("acme", "u", f"s{i}"), max_sessions=3)
+        tiers.flush()
+    tiers.touch(("acme", "u", "s2"), max_sessions=3)  # s2 used again: s3 is now the oldest
+    tiers.offer(_key(9), _block(9), ("acme", "u", "s9"), max_sessions=3)
+    tiers.offer(_key(10), _block(10), ("globex", "u", "s0"), max_sessions=1)  # another tenant's cap
+    tiers.flush()
+    assert set(tiers.sessions) == {
+        ("acme", "u", "s2"),
+        ("acme", "u", "s4"),
+        ("acme", "u", "s9"),
+        ("globex", "u", "s0"),
+    }
+    assert tiers.host is not None
+    assert [tiers.host.get(_key(i)) is not None for i in (0, 1, 2, 3, 4, 9)] == [0, 0, 1, 0, 1, 1]
+    tiers.close()
+
+
+def test_the_default_cap_applies_to_sessions_that_name_none() -> None:
+    tiers = TieredKV(LAYOUT, HostStore(64 * PAGE), None, max_sessions=2)
+    for i in range(4):
+        tiers.touch(("acme", "u", f"s{i}"))
+    assert set(tiers.sessions) == {("acme", "u", "s2"), ("acme", "u", "s3")}
+    tiers.close()
+
+
+def _crowded(other_sessions: int) -> TieredKV:
+    """Tiers indexing one acme session and `other_sessions` of another tenant (recorded directly: no blocks)."""
+    tiers = TieredKV(LAYOUT, HostStore(8 * PAGE), None, max_sessions=10**7)
+    for i in range(other_sessions):
+        tiers.touch(("globex", f"user-{i}", "s"))
+    tiers.offer(_key(1), _block(1), ("acme", "alice", "s1"))
+    tiers.flush()
+    return tiers
+
+
+def test_a_deletion_costs_only_its_tenants_sessions() -> None:
+    alone, crowded = _crowded(0), _crowded(200_000)
+    timings = []
+    for tiers in (alone, crowded):
+        started = time.perf_counter()
+        assert tiers.forget("acme", "alice", "s1") == [_key(1)]
+        timings.append(time.perf_counter() - started)
+        tiers.close()
+    assert timings[1] < max(0.02, 20 * timings[0]), timings  # a scan of 200,000 sessions takes ~0.1 s
+
+
+def test_expiry_forgets_idle_sessions_in_one_pass_without_a_whole_index_forget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tiers = TieredKV(LAYOUT, HostStore(64 * PAGE), None, session_ttl=100.0)
+    for i in range(6):
+        tiers.offer(
+            _key(i), _block(i), ("acme" if i % 2 else "globex", "u", f"s{i}"), 10.0 if i < 4 else None
+        )
+    tiers.flush()
+
+    def whole_scan(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("expire called forget")
+
+    monkeypatch.setattr(tiers, "forget", whole_scan)
+    now = time.time()
+    assert tiers.expire(now + 5) == 0
+    assert tiers.expire(now + 50) == 4  # the 10 s TTL of s0-s3, not the server's 100 s of s4, s5
+    assert set(tiers.sessions) == {("globex", "u", "s4"), ("acme", "u", "s5")}
+    assert tiers.host is not None and len(tiers.host) == 2
+    tiers.close()
+
+
+class HeldStore(HostStore):
+    """A host tier whose writes wait until released: blocks pile up in the write-through queue."""
+
+    def __init__(self) -> None:
+        super().__init__(64 * PAGE)
+        self.release = threading.Event()
+
+    def put(self, key: bytes, data: bytes) -> bool:
+        self.release.wait(30)
+        return super().put(key, data)
+
+
+def test_blocks_queued_for_a_deleted_session_are_never_written() -> None:
+    store = HeldStore()
+    tiers = TieredKV(LAYOUT, store, None)
+    tiers.offer(_key(0), _block(0), ("acme", "alice", "s1"))
+    time.sleep(0.2)  # the writer holds block 0; blocks 1-3 wait in the queue
+    for i in (1, 2):
+        tiers.offer(_key(i), _block(i), ("acme", "alice", "s1"))
+    tiers.offer(_key(3), _block(3), ("acme", "bob", "s1"))
+    tiers.forget("acme", "alice", "s1")
+    tiers.offer(_key(4), _block(4), ("acme", "alice", "s1"))  # offered after the deletion: a new turn
+    store.release.set()
+    tiers.flush()
+    assert [store.get(_key(i)) is not None for i in range(5)] == [0, 0, 0, 1, 1]
+    assert set(tiers.sessions) == {("acme", "bob", "s1"), ("acme", "alice", "s1")}
+    assert tiers.sessions[("acme", "alice", "s1")].keys == {_key(4): len(store.get(_key(4)) or b"")}
+    tiers.close()
+
+
+def test_every_engine_sharing_a_disk_folder_finds_its_sessions_after_a_restart(tmp_path: Path) -> None:
+    """`qpack serve A B` (two models) and two workers of one model, all on one kv_disk folder."""
+    folder = tmp_path / "t2"
+    engines = [TieredKV(layout, None, DiskStore(folder, 10**7)) for layout in (LAYOUT, OTHER_MODEL, LAYOUT)]
+    for index, tiers in enumerate(engines):
+        tiers.offer(_key(index), _block(index), ("acme", "alice", f"engine-{index}"))
+        tiers.flush()
+    for tiers in engines:
+        tiers.close()
+    model_a = TieredKV(LAYOUT, None, DiskStore(folder, 10**7))
+    model_b = TieredKV(OTHER_MODEL, None, DiskStore(folder, 10**7))
+    assert set(model_a.sessions) == {("acme", "alice", "engine-0"), ("acme", "alice", "engine-2")}
+    assert set(model_b.sessions) == {("acme", "alice", "engine-1")}
+    assert model_a.forget("acme", "alice", None) == [_key(0), _key(2)]
+    model_a.close()
+    again = TieredKV(LAYOUT, None, DiskStore(folder, 10**7))
+    assert not again.sessions
+    again.close()
+    model_b.close()
+
+
+def test_a_deletion_writes_only_its_tenants_index_file_and_never_on_the_caller(tmp_path: Path) -> None:
+    tiers = TieredKV(LAYOUT, None, DiskStore(tmp_path / "t2", 10**7))
+    tiers.offer(_key(1), _block(1), ("acme", "alice", "s1"))
+    tiers.offer(_key(2), _block(2), ("globex", "bob", "s1"))
+    tiers.flush()
+    files = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "t2").rglob("*.json")}
+    assert len(files) == 2, files  # one file per tenant
+    time.sleep(0.01)
+    tiers.forget("acme", "alice", "s1")
+    tiers.flush()
+    after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "t2").rglob("*.json")}
+    assert [name for name in files if after.get(name) == files[name]] == [
+        name for name in files if "globex" in name
+    ]
+    tiers.close()
+
+
+def test_a_legacy_index_is_taken_over_by_one_engine(tmp_path: Path) -> None:
+    import json
+
+    folder = tmp_path / "t2"
+    disk = DiskStore(folder, 10**7)
+    disk.put(_key(1), b"x" * 10)
+    legacy = {
+        "format": 2,
+        "sessions": [
+            {"tenant": "acme", "user": "a", "session": "s", "last_use": time.time(), "ttl": None, "keys": {}},
+            {
+                "tenant": "acme",
+                "user": "b",
+                "session": "s",
+                "last_use": time.time(),
+                "ttl": None,
+                "keys": {_key(1).hex(): 10, _key(2).hex(): 10},  # block 2 is not stored any more
+            },
+        ],
+    }
+    (folder / "sessions.json").write_text(json.dumps(legacy))
+    tiers = TieredKV(LAYOUT, None, disk)
+    assert set(tiers.sessions) == {("acme", "b", "s")}  # a session without a stored block is no entry
+    assert tiers.sessions[("acme", "b", "s")].keys == {_key(1): 10}
+    assert not (folder / "sessions.json").exists()
+    tiers.close()
