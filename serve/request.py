@@ -52,6 +52,7 @@ class Owner:
     user: str | None = None
     session_id: str | None = None
     session_ttl: float | None = None  # the tenant's, when it sets one
+    max_sessions: int | None = None  # the tenant's cap on sessions indexed (None: the tiers' default)
 
     @property
     def session(self) -> SessionName | None:

@@ -57,7 +57,13 @@ def limited_params(
 def owner_of(caller: Caller, request: GenerationRequest) -> Owner:
     """The engine's owner of a request: the caller's tenant and tier, and the names the body gave inside it."""
     return Owner(
-        caller.tenant, caller.tier, caller.tier_rank, request.user, request.session_id, caller.session_ttl
+        caller.tenant,
+        caller.tier,
+        caller.tier_rank,
+        request.user,
+        request.session_id,
+        caller.session_ttl,
+        caller.max_sessions,
     )
 
 

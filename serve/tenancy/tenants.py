@@ -18,6 +18,7 @@ The file (TOML, or JSON of the same shape):
     tier = "gold"
     requests_per_minute = 600       # optional limits: tokens_per_minute, max_concurrent, max_tokens
     session_ttl = 3600              # optional: seconds an idle session's stored KV is kept
+    max_sessions = 10000            # optional: sessions whose stored KV is indexed; the least recently used go
 
     [shared_prefixes.support]       # optional: prefix-cache sharing across tenants, only of this text
     text = "You are the support assistant of ..."
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from quantize.common.errors import QpackError
+from serve.tiers.sessions import DEFAULT_MAX_SESSIONS
 
 try:
     import tomllib
@@ -117,6 +119,7 @@ class Tenant:
     key_digests: tuple[bytes, ...] = ()
     session_ttl: float | None = None
     shared_prefixes: tuple[SharedPrefix, ...] = ()
+    max_sessions: int = DEFAULT_MAX_SESSIONS  # sessions of stored KV indexed at once, per engine
 
     def __repr__(self) -> str:  # never print a key digest
         return f"Tenant({self.name!r}, tier={self.tier.name!r}, keys=<{len(self.key_digests)}>)"
@@ -136,6 +139,7 @@ class Caller:
     max_tokens: int | None = None
     session_ttl: float | None = None
     shared_prefixes: tuple[SharedPrefix, ...] = ()
+    max_sessions: int = DEFAULT_MAX_SESSIONS
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -147,6 +151,7 @@ class Caller:
             "max_tokens": self.max_tokens,
             "session_ttl": self.session_ttl,
             "shared_prefixes": [[p.name, p.sha256, p.chars] for p in self.shared_prefixes],
+            "max_sessions": self.max_sessions,
         }
 
     @classmethod
@@ -167,6 +172,7 @@ class Caller:
                 max_tokens=_optional(data.get("max_tokens"), int),
                 session_ttl=_optional(data.get("session_ttl"), float),
                 shared_prefixes=prefixes,
+                max_sessions=max(1, int(data.get("max_sessions") or DEFAULT_MAX_SESSIONS)),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"the caller stamp is incomplete ({exc})") from None
@@ -234,6 +240,7 @@ class Tenants:
             max_tokens=tenant.limits.max_tokens,
             session_ttl=tenant.session_ttl,
             shared_prefixes=tenant.shared_prefixes,
+            max_sessions=tenant.max_sessions,
         )
 
     @classmethod
@@ -449,6 +456,7 @@ _LIMITS = {
     "max_concurrent": int,
     "max_tokens": int,
     "session_ttl": float,
+    "max_sessions": int,
 }
 
 
@@ -512,7 +520,8 @@ def _tenant(
         return None
     shared = tuple(prefix for prefix, members in prefixes.values() if name in members)
     session_ttl = values.pop("session_ttl", None)
-    return Tenant(name, tier, Limits(**values), digests, session_ttl, shared)
+    max_sessions = values.pop("max_sessions", DEFAULT_MAX_SESSIONS)
+    return Tenant(name, tier, Limits(**values), digests, session_ttl, shared, max_sessions)
 
 
 def _digests(entry: dict[str, Any], where: tuple[str, ...], problems: _Problems) -> tuple[bytes, ...]:

@@ -46,7 +46,7 @@ class TierAdapter:
         if not self.worth_loading():
             self.skipped += 1
             return []
-        self.tiers.touch(request.session, request.owner.session_ttl)
+        self.tiers.touch(request.session, request.owner.session_ttl, request.owner.max_sessions)
         started = time.perf_counter()
         blocks = self.tiers.fetch(keys, limit=self.pool.num_free)
         if not blocks:
@@ -60,7 +60,8 @@ class TierAdapter:
 
     def on_register(self, request: Request, block_id: int, key: PrefixKey) -> None:
         block = self.runner.read_block(block_id).cpu()  # a host copy on CUDA
-        self.tiers.offer(key, block, request.session, request.owner.session_ttl)
+        owner = request.owner
+        self.tiers.offer(key, block, request.session, owner.session_ttl, owner.max_sessions)
 
     def forget(self, tenant: str, user: str | None, session_id: str | None) -> int | None:
         """Remove a tenant's session's (or user's) blocks from every tier, the pool's prefix cache included; None
