@@ -5,13 +5,17 @@ again after a restart."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
+from serve.engine import Engine
 from serve.tiers.codec import BlockLayout
 from serve.tiers.stores import DiskStore, HostStore
 from serve.tiers.tiered import TieredKV
@@ -219,3 +223,71 @@ def test_a_legacy_index_is_taken_over_by_one_engine(tmp_path: Path) -> None:
     assert tiers.sessions[("acme", "b", "s")].keys == {_key(1): 10}
     assert not (folder / "sessions.json").exists()
     tiers.close()
+
+
+LIMITED = """\
+[tenants.acme]
+keys = ["key-tenant-a"]
+requests_per_minute = 3
+
+[tenants.globex]
+keys = ["key-tenant-b"]
+"""
+ACME, GLOBEX = ({"Authorization": f"Bearer key-tenant-{x}"} for x in "ab")
+STORY = "Once upon a time there was a little girl who liked to play in the park with her dog every day"
+
+
+@pytest.fixture()
+def limited_server(tiny_llama: Path, tmp_path: Path) -> Iterator[tuple[str, Engine]]:
+    from serve.http import BackgroundServer
+    from serve.openai import ServerInfo
+    from serve.tenancy.tenants import TenantsSource
+    from tests.serve.test_api import make_engine
+
+    path = tmp_path / "tenants.toml"
+    path.write_text(LIMITED)
+    engine = make_engine(
+        tiny_llama, kv_host_memory=8 * 2**20, kv_disk=str(tmp_path / "t2"), max_model_len=512
+    )
+    info = ServerInfo(name="tiny", version="1", tenants=TenantsSource(path), request_timeout=60)
+    with BackgroundServer(engine, info) as url:
+        yield url, engine
+
+
+def test_deletions_pass_the_tenants_request_limit(limited_server: tuple[str, Engine]) -> None:
+    url, _engine = limited_server
+    answers = [
+        httpx.delete(f"{url}/v1/sessions/s{i}", params={"user": "alice"}, headers=ACME, timeout=30)
+        for i in range(5)
+    ]
+    assert [a.status_code for a in answers] == [404, 404, 404, 429, 429]
+    assert answers[3].json()["error"]["code"] == "rate_limit_exceeded" and "retry-after" in answers[3].headers
+    assert answers[0].headers["x-ratelimit-limit-requests"] == "3"
+    other = httpx.delete(f"{url}/v1/sessions/s1", params={"user": "alice"}, headers=GLOBEX, timeout=30)
+    assert other.status_code == 404  # another tenant's limit is its own
+
+
+def test_a_deletion_neither_holds_the_event_loop_nor_waits_on_a_step_to_drop_stored_blocks(
+    limited_server: tuple[str, Engine],
+) -> None:
+    url, engine = limited_server
+    body = {"prompt": STORY, "max_tokens": 2, "temperature": 0, "user": "bob", "session_id": "s1"}
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=GLOBEX, timeout=60).status_code == 200
+    assert engine.tiers is not None
+    tiers = engine.tiers.tiers
+    tiers.flush()
+    stored = set(tiers.sessions[("globex", "bob", "s1")].keys)
+    assert stored and tiers.host is not None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, engine._lock:  # a step that takes long
+        deleting = pool.submit(
+            httpx.delete, f"{url}/v1/sessions/s1", params={"user": "bob"}, headers=GLOBEX, timeout=30
+        )
+        deadline = time.monotonic() + 10
+        while any(key in tiers.host for key in stored):
+            assert time.monotonic() < deadline, "the stored blocks were not deleted while a step ran"
+            time.sleep(0.02)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # the event loop is free
+        assert not deleting.done()  # only the prefix cache waits for the step
+    deleted = deleting.result()
+    assert deleted.status_code == 200 and deleted.json()["blocks"] == len(stored)
+    assert ("globex", "bob", "s1") not in tiers.sessions
