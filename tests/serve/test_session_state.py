@@ -291,3 +291,49 @@ def test_a_deletion_neither_holds_the_event_loop_nor_waits_on_a_step_to_drop_sto
     deleted = deleting.result()
     assert deleted.status_code == 200 and deleted.json()["blocks"] == len(stored)
     assert ("globex", "bob", "s1") not in tiers.sessions
+
+
+def test_a_deletion_sent_while_a_worker_is_down_is_applied_when_it_starts(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tests.serve.test_fleet as fleet
+    from serve.fleet.local_redis import LocalRedis
+    from tests.serve.test_api import make_engine
+
+    disk = tmp_path / "t2"
+    monkeypatch.setattr(
+        fleet,
+        "make_engine",
+        lambda model_dir, **kw: make_engine(
+            model_dir,
+            kv_host_memory=8 * 2**20,
+            kv_disk=str(disk),
+            kv_disk_size=8 * 2**20,
+            max_model_len=512,
+            **kw,
+        ),
+    )
+    body = {"prompt": STORY, "max_tokens": 2, "temperature": 0, "user": "alice", "session_id": "s1"}
+    with LocalRedis(tmp_path / "redis") as redis_server, fleet.gateway(redis_server.url) as base:
+        with fleet.worker(tiny_llama, redis_server.url) as first:
+            fleet.wait_for(lambda: fleet.live_workers(base) == 1, what="the worker's heartbeat")
+            assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+            assert first.engine.tiers is not None
+            first.engine.tiers.tiers.flush()
+            stored = set(first.engine.tiers.tiers.sessions[("default", "alice", "s1")].keys)
+        first.engine.close()
+        fleet.wait_for(lambda: fleet.live_workers(base) == 0, what="the worker's heartbeat to lapse")
+        deleted = httpx.delete(f"{base}/v1/sessions/s1", params={"user": "alice"}, timeout=30)
+        assert deleted.status_code == 202 and deleted.json()["workers"] == 0, deleted.text
+        assert all((disk / k.hex()[:2] / f"{k.hex()}.kv").exists() for k in stored)  # nobody applied it yet
+        with fleet.worker(tiny_llama, redis_server.url) as second:
+            assert second.engine.tiers is not None
+            tiers = second.engine.tiers.tiers
+            fleet.wait_for(lambda: not any(key in tiers.disk for key in stored), what="the kept deletion")  # type: ignore[operator]
+            assert ("default", "alice", "s1") not in tiers.sessions
+            fleet.wait_for(lambda: fleet.live_workers(base) == 1, what="the worker's heartbeat")
+            assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+            tiers.flush()
+            time.sleep(1.5)  # the worker follows the kept deletions: the session begun again stays
+            assert ("default", "alice", "s1") in tiers.sessions
+        second.engine.close()
