@@ -12,8 +12,10 @@ tenant sends, nor may one tenant's sessions slow another's deletions. Hence:
   are never written (`dropped`).
 
 The index lives in memory and beside T2 on disk (`IndexFiles`): one directory per engine (its model's namespace
-and a slot number held with an exclusive `flock` while the engine runs), one JSON file per tenant, written
-atomically, and only for tenants that changed since the last save, by a background thread. Several engines can
+and a slot number held with an exclusive `flock` while the engine runs), per tenant a JSON file written whole
+(atomically) and a log of changes since (a line per block recorded, a line per session forgotten), appended by
+a background thread: a deletion costs a line, and a tenant's file is written whole again only once its log
+outgrows it (twice its sessions). Several engines can
 share one kv_disk folder (`qpack serve A B`; `--role all` workers): each writes only its own directory, and an
 engine starting up takes over the directories of engines of its model no longer running, so a restart finds
 every engine's sessions. A crash between a deletion and the next save loses nothing that matters: the deleted
@@ -85,7 +87,11 @@ class SessionIndex:
         self.max_sessions = max_sessions
         self.tenants: dict[str, OrderedDict[Local, Session]] = {}
         self.holders: dict[bytes, set[SessionName]] = {}
-        self.dirty: set[str] = set()
+        self.dirty: set[str] = (
+            set()
+        )  # tenants whose index file must be written whole (taken over from others)
+        self.journal: dict[str, list[dict[str, Any]]] = {}  # per tenant, changes not yet appended to its log
+        self.journaling = False  # whether changes are kept for a log (only when there are files)
         self._tombstones: list[_Tombstone] = []
 
     def __len__(self) -> int:
@@ -108,7 +114,6 @@ class SessionIndex:
             session = sessions[local] = Session(ttl=ttl)
         sessions.move_to_end(local)
         session.last_use, session.ttl = time.time() if now is None else now, ttl
-        self.dirty.add(name[0])
         freed: list[bytes] = []
         cap = max(1, max_sessions or self.max_sessions)
         while len(sessions) > cap:
@@ -116,10 +121,13 @@ class SessionIndex:
             freed += self._release((name[0], *oldest), victim)
         return freed
 
-    def add_key(self, name: SessionName, key: bytes, size: int) -> None:
+    def add_key(self, name: SessionName, key: bytes, size: int, journal: bool = True) -> None:
         session = self.tenants[name[0]][(name[1], name[2])]
         session.keys[key] = size
         self.holders.setdefault(key, set()).add(name)
+        if journal and self.journaling:
+            line = {"n": name[0], "s": [name[1], name[2]], "t": session.last_use, "ttl": session.ttl}
+            self.journal.setdefault(name[0], []).append({**line, "k": {key.hex(): size}})
 
     def lost(self, keys: list[bytes]) -> None:
         """These blocks are stored nowhere any more: their holders lose them, and a session left without any
@@ -131,7 +139,6 @@ class SessionIndex:
                 if sessions is None or session is None:
                     continue
                 session.keys.pop(key, None)
-                self.dirty.add(tenant)
                 if not session.keys:
                     del sessions[(user, session_id)]
                     if not sessions:
@@ -163,7 +170,6 @@ class SessionIndex:
             freed += self._release((tenant, *local), sessions.pop(local))
         if not sessions:
             del self.tenants[tenant]
-        self.dirty.add(tenant)
         return freed
 
     def expired(self, now: float, default_ttl: float | None) -> tuple[int, list[bytes]]:
@@ -180,13 +186,13 @@ class SessionIndex:
                 del sessions[local]
                 freed += self._release((tenant, *local), session)
                 count += 1
-                self.dirty.add(tenant)
             if not sessions:
                 del self.tenants[tenant]
         return count, freed
 
     def _release(self, name: SessionName, session: Session) -> list[bytes]:
-        self.dirty.add(name[0])
+        if self.journaling:
+            self.journal.setdefault(name[0], []).append({"n": name[0], "f": [name[1], name[2]]})
         freed = []
         for key in session.keys:
             holders = self.holders.get(key)
@@ -247,9 +253,46 @@ class SessionIndex:
             name = (str(item.get("tenant", _UNSCOPED)), str(item["user"]), str(item["session"]))
             self.use(name, None if ttl is None else float(ttl), 10**9, now=float(item["last_use"]))
             for key, size in keys.items():
-                self.add_key(name, key, size)
+                self.add_key(name, key, size, journal=False)
+            self.dirty.add(name[0])
             merged += 1
         return merged
+
+    def replay(self, lines: list[str], stored: Any) -> None:
+        """A tenant's log, appended since its file was last written whole: sessions that gained blocks (only
+        those still stored count) and sessions forgotten, in order. A torn last line (a crash) is skipped."""
+        for line in lines:
+            try:
+                entry = json.loads(line)
+                tenant = str(entry["n"])
+                self.dirty.add(tenant)
+                if "f" in entry:
+                    user, session_id = entry["f"]
+                    self._drop(tenant, (str(user), str(session_id)))
+                    continue
+                keys = {bytes.fromhex(k): int(n) for k, n in entry["k"].items()}
+                keys = {k: n for k, n in keys.items() if stored(k)}
+                if not keys:
+                    continue
+                name = (tenant, str(entry["s"][0]), str(entry["s"][1]))
+                ttl = entry.get("ttl")
+                self.use(name, None if ttl is None else float(ttl), 10**9, now=float(entry["t"]))
+                for key, size in keys.items():
+                    self.add_key(name, key, size, journal=False)
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                continue
+
+    def _drop(self, tenant: str, local: Local) -> None:
+        sessions = self.tenants.get(tenant)
+        if sessions is not None and local in sessions:
+            for key in sessions.pop(local).keys:
+                holders = self.holders.get(key)
+                if holders is not None:
+                    holders.discard((tenant, *local))
+                    if not holders:
+                        del self.holders[key]
+            if not sessions:
+                del self.tenants[tenant]
 
 
 def namespace(*parts: object) -> str:
@@ -292,7 +335,7 @@ class IndexFiles:
             if held is None:
                 continue
             try:
-                yield path, sorted(path.glob("*.json"))
+                yield path, _files(path)
             finally:
                 held.close()
 
@@ -300,17 +343,30 @@ class IndexFiles:
         return self.dir / tenant_file(tenant)
 
     def files(self) -> list[Path]:
-        return sorted(self.dir.glob("*.json"))
+        """The tenants' files, then their logs (what a log says comes after its file)."""
+        return _files(self.dir)
 
     def write(self, tenant: str, data: dict[str, Any]) -> None:
+        """The tenant's file whole (atomically), then its log emptied: what the log said is in the file."""
         path = self.path(tenant)
         if data["sessions"]:
             write_bytes(path, json.dumps(data, separators=(",", ":")).encode())
         else:
             path.unlink(missing_ok=True)
+        path.with_suffix(".log").unlink(missing_ok=True)
+
+    def append(self, tenant: str, entries: list[dict[str, Any]]) -> None:
+        """Changes to the tenant's sessions, one JSON line each, at the end of its log."""
+        text = "".join(json.dumps(entry, separators=(",", ":")) + "\n" for entry in entries)
+        with open(self.path(tenant).with_suffix(".log"), "a", encoding="utf-8") as handle:
+            handle.write(text)
 
     def close(self) -> None:
         self._lock.close()
+
+
+def _files(folder: Path) -> list[Path]:
+    return [*sorted(folder.glob("*.json")), *sorted(folder.glob("*.log"))]
 
 
 def _try_lock(path: Path) -> IO[bytes] | None:
@@ -330,6 +386,12 @@ def read_index(path: Path) -> Any:
     with contextlib.suppress(FileNotFoundError):
         return json.loads(path.read_text())
     return None
+
+
+def read_log(path: Path) -> list[str]:
+    with contextlib.suppress(FileNotFoundError):
+        return path.read_text(encoding="utf-8", errors="replace").splitlines()
+    return []
 
 
 def remove(paths: list[Path]) -> None:

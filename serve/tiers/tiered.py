@@ -50,6 +50,7 @@ from serve.tiers.sessions import (
     SessionIndex,
     namespace,
     read_index,
+    read_log,
     remove,
 )
 from serve.tiers.stores import DiskStore, HostStore
@@ -108,7 +109,9 @@ class TieredKV:
             queue_size = max(2, min(queue_size, queue_bytes // layout.raw_bytes))
         self._queue: queue.Queue[_Write | None] = queue.Queue(queue_size)
         self._doomed: queue.Queue[list[bytes] | None] = queue.Queue()  # keys the housekeeper deletes
+        self._logged: dict[str, int] = {}  # lines in each tenant's log
         self._files = self._open_files()
+        self.index.journaling = self._files is not None
         for store in (host, disk):
             if store is not None:
                 store.on_evict = self._evicted
@@ -367,31 +370,45 @@ class TieredKV:
         return files
 
     def _load(self, paths: list[Path]) -> int:
+        """Index files, then their logs; the number of files read."""
         disk = self.disk
         assert disk is not None
-        merged = 0
         for path in paths:
             try:
+                if path.suffix == ".log":
+                    self.index.replay(read_log(path), disk.__contains__)
+                    continue
                 data = read_index(path)
                 if data is not None:
-                    merged += self.index.merge(data, disk.__contains__)
+                    self.index.merge(data, disk.__contains__)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 _log.warning("KV session index %s unreadable (%s); starting without it", path, exc)
-        return merged
+        return len(paths)
 
     def save(self) -> None:
-        """Write the index files of the tenants that changed since the last save (atomically, each)."""
+        """Append what changed since the last save to each tenant's log; a tenant whose log outgrew its sessions
+        (or that was taken over) gets its file written whole instead."""
         if self._files is not None:
             self._save_to(self._files)
 
     def _save_to(self, files: IndexFiles) -> None:
         with self._lock:
             dirty, self.index.dirty = self.index.dirty, set()
-        for tenant in sorted(dirty):
-            with self._lock:
-                data = self.index.snapshot(tenant)
+            journal, self.index.journal = self.index.journal, {}
+            for tenant, entries in journal.items():
+                self._logged[tenant] = self._logged.get(tenant, 0) + len(entries)
+                sessions = len(self.index.tenants.get(tenant, ()))
+                if self._logged[tenant] > max(1000, 2 * sessions):
+                    dirty.add(tenant)
+        for tenant in sorted(dirty | set(journal)):
             try:
-                files.write(tenant, data)
+                if tenant in dirty:
+                    with self._lock:
+                        data = self.index.snapshot(tenant)
+                        self._logged[tenant] = 0
+                    files.write(tenant, data)
+                else:
+                    files.append(tenant, journal[tenant])
             except OSError as exc:
                 _log.warning("KV session index of tenant %s not saved (%s)", tenant, exc)
                 with self._lock:

@@ -180,21 +180,42 @@ def test_every_engine_sharing_a_disk_folder_finds_its_sessions_after_a_restart(t
     model_b.close()
 
 
-def test_a_deletion_writes_only_its_tenants_index_file_and_never_on_the_caller(tmp_path: Path) -> None:
+def _index_files(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in (folder / "sessions").rglob("t-*")}
+
+
+def test_a_deletion_appends_a_line_to_its_tenants_log_and_rewrites_no_index(tmp_path: Path) -> None:
     tiers = TieredKV(LAYOUT, None, DiskStore(tmp_path / "t2", 10**7))
     tiers.offer(_key(1), _block(1), ("acme", "alice", "s1"))
     tiers.offer(_key(2), _block(2), ("globex", "bob", "s1"))
     tiers.flush()
-    files = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "t2").rglob("*.json")}
-    assert len(files) == 2, files  # one file per tenant
-    time.sleep(0.01)
-    tiers.forget("acme", "alice", "s1")
+    files = _index_files(tmp_path / "t2")
+    assert sorted(files) == ["t-acme.log", "t-globex.log"], files  # one log per tenant
+    assert tiers.forget("acme", "alice", "s1") == [_key(1)]
     tiers.flush()
-    after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "t2").rglob("*.json")}
-    assert [name for name in files if after.get(name) == files[name]] == [
-        name for name in files if "globex" in name
-    ]
+    after = _index_files(tmp_path / "t2")
+    assert sorted(after) == sorted(files) and after["t-globex.log"] == files["t-globex.log"]
+    assert 0 < after["t-acme.log"] - files["t-acme.log"] < 100  # one line
     tiers.close()
+    again = TieredKV(LAYOUT, None, DiskStore(tmp_path / "t2", 10**7))
+    assert set(again.sessions) == {("globex", "bob", "s1")}
+    again.flush()  # taken over: written whole once, the logs emptied
+    assert sorted(_index_files(tmp_path / "t2")) == ["t-globex.json"]
+    again.close()
+
+
+def test_a_long_log_is_folded_into_its_tenants_file(tmp_path: Path) -> None:
+    tiers = TieredKV(LAYOUT, None, DiskStore(tmp_path / "t2", 10**8))
+    for _ in range(1200):
+        tiers.touch(("acme", "u", "s"))
+        tiers.forget("acme", "u", "s")
+    tiers.offer(_key(1), _block(1), ("acme", "u", "kept"))
+    tiers.flush()
+    assert sorted(_index_files(tmp_path / "t2")) in (["t-acme.json"], ["t-acme.json", "t-acme.log"])
+    tiers.close()
+    again = TieredKV(LAYOUT, None, DiskStore(tmp_path / "t2", 10**8))
+    assert set(again.sessions) == {("acme", "u", "kept")}
+    again.close()
 
 
 def test_a_legacy_index_is_taken_over_by_one_engine(tmp_path: Path) -> None:
