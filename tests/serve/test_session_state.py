@@ -358,3 +358,23 @@ def test_a_deletion_sent_while_a_worker_is_down_is_applied_when_it_starts(
             time.sleep(1.5)  # the worker follows the kept deletions: the session begun again stays
             assert ("default", "alice", "s1") in tiers.sessions
         second.engine.close()
+
+
+def test_the_gateway_passes_deletions_through_the_tenants_request_limit(tmp_path: Path) -> None:
+    import tests.serve.test_fleet as fleet
+    from serve.fleet.local_redis import LocalRedis
+    from serve.openai import ServerInfo
+    from serve.tenancy.tenants import TenantsSource
+
+    path = tmp_path / "tenants.toml"
+    path.write_text(LIMITED)
+    info = ServerInfo("fleet", "", tenants=TenantsSource(path))
+    with LocalRedis(tmp_path / "redis") as redis_server, fleet.gateway(redis_server.url, info=info) as base:
+        answers = [
+            httpx.delete(f"{base}/v1/sessions/s{i}", params={"user": "alice"}, headers=ACME, timeout=30)
+            for i in range(4)
+        ]
+        assert [a.status_code for a in answers] == [202, 202, 202, 429]  # no worker live: kept for them
+        assert answers[3].json()["error"]["code"] == "rate_limit_exceeded"
+        other = httpx.delete(f"{base}/v1/sessions/s1", params={"user": "alice"}, headers=GLOBEX, timeout=30)
+        assert other.status_code == 202
