@@ -253,6 +253,7 @@ requests_per_minute = 3
 
 [tenants.globex]
 keys = ["key-tenant-b"]
+max_sessions = 2
 """
 ACME, GLOBEX = ({"Authorization": f"Bearer key-tenant-{x}"} for x in "ab")
 STORY = "Once upon a time there was a little girl who liked to play in the park with her dog every day"
@@ -378,3 +379,19 @@ def test_the_gateway_passes_deletions_through_the_tenants_request_limit(tmp_path
         assert answers[3].json()["error"]["code"] == "rate_limit_exceeded"
         other = httpx.delete(f"{base}/v1/sessions/s1", params={"user": "alice"}, headers=GLOBEX, timeout=30)
         assert other.status_code == 202
+
+
+def test_the_tenants_file_caps_its_sessions_on_a_server(limited_server: tuple[str, Engine]) -> None:
+    url, engine = limited_server
+    assert engine.tiers is not None
+    for i in range(3):
+        body = {
+            "prompt": f"Chapter {i}. {STORY}",
+            "max_tokens": 2,
+            "temperature": 0,
+            "user": "bob",
+            "session_id": f"s{i}",
+        }
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=GLOBEX, timeout=60).status_code == 200
+        engine.tiers.tiers.flush()
+    assert set(engine.tiers.tiers.sessions) == {("globex", "bob", "s1"), ("globex", "bob", "s2")}
