@@ -22,9 +22,10 @@ forgotten first). Deleting a session removes its blocks from every tier, except 
 (a shared system prompt), and its blocks still queued for writing are never written; deleting a user removes all
 of theirs; a deletion only ever sees the caller's tenant's sessions, and costs only theirs. `session_ttl` (or the
 tenant's own) expires idle sessions the same way, on a housekeeping thread that also deletes the blocks of
-sessions over a cap and saves the index files of tenants that changed, so neither the engine thread nor a
-deletion's caller ever writes an index file. The index is kept beside T2's files, one directory per engine, so a
-restarted server can still honour deletions.
+sessions over a cap and appends what changed to the tenants' index logs every `save_interval` seconds, so
+neither the engine thread nor a deletion's caller ever writes an index file. The index is kept beside T2's files,
+one directory per engine (`serve.tiers.sessions`), so a restarted server can still honour deletions; blocks
+written after the last save are found again only if they are on disk and their session's log line was written.
 """
 
 from __future__ import annotations
