@@ -30,6 +30,15 @@ Greedy outputs of every run are compared with `none` token for token (as text). 
 run in that mode (serve/runner.py), where reused KV is the same bits as recomputed KV.
 
     python benchmarks/sessions.py out/perf/int8 --out out/sessions
+
+`--deletes` measures instead what session deletions cost the other requests, in one process (no artifact needed:
+the shared stories260k model by default): an engine with T1 and T2 and 100,000 sessions indexed (`--indexed`,
+over ten tenants at their default cap), serving a steady load of session requests, first alone, then while
+clients send DELETEs (single sessions and whole users) as fast as they are answered. It prints engine step times
+(p50/p99) and the event loop's lag (a ticker task on the server's loop, every 5 ms) in both phases, the DELETE
+latency, and the CPU they ran on.
+
+    python benchmarks/sessions.py --deletes --out out/sessions-deletes
 """
 
 from __future__ import annotations
@@ -310,7 +319,7 @@ def store_bound(out: Path, host_bytes: int, disk_bytes: int, sessions: int = 10_
         for part in range(3):
             key = index.to_bytes(8, "little") + part.to_bytes(8, "little") + b"\0" * 16
             while not tiers.offer(
-                key, blocks[(index + part) % 4].clone(), (f"user-{index % 100}", f"s{index}")
+                key, blocks[(index + part) % 4].clone(), ("default", f"user-{index % 100}", f"s{index}")
             ):
                 retries += 1
                 time.sleep(0.002)
@@ -349,7 +358,7 @@ def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("artifact", type=Path)
+    parser.add_argument("artifact", type=Path, nargs="?", help="(not needed with --deletes)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "sessions")
     parser.add_argument("--sessions", type=int, default=200)
     parser.add_argument("--turns", type=int, default=4)
@@ -383,7 +392,12 @@ def _arguments() -> argparse.Namespace:
         "--store-host-memory", default="2GB", help="T1 of the store run (its blocks overflow it)"
     )
     parser.add_argument("--store-disk-size", default="4GB")
+    parser.add_argument("--deletes", action="store_true", help="measure what DELETEs cost (see above)")
+    parser.add_argument("--indexed", type=int, default=100_000, help="sessions indexed for --deletes")
+    parser.add_argument("--phase-seconds", type=float, default=25.0, help="each --deletes phase")
     args = parser.parse_args()
+    if args.artifact is None and not args.deletes:
+        parser.error("give the artifact to replay against (or --deletes)")
     if args.turns < 2:
         parser.error("--turns must be at least 2 (returning turns are what is measured)")
     return args
@@ -393,6 +407,11 @@ def main() -> None:
     args = _arguments()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.deletes:
+        result = measure_deletes(args.artifact, out, args.indexed, args.phase_seconds)
+        (out / "deletes.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+        return
     log = out / "servers.log"
     sessions = conversations(args.sessions, args.turns, args.max_chars, args.seed)
     turns = list(range(args.turns))
@@ -572,6 +591,202 @@ def _bytes(text: str) -> int:
     from quantize.common.sizes import parse_size
 
     return parse_size(text, "size")
+
+
+# ---------------------------------------------------------------------- --deletes
+
+DELETE_TENANTS = 10
+
+
+def _percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
+    """p50, p99 and max of `values` (seconds) in milliseconds."""
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {
+        "n": len(ordered),
+        "p50_ms": round(pick(0.5) * scale, 3),
+        "p99_ms": round(pick(0.99) * scale, 3),
+        "max_ms": round(ordered[-1] * scale, 3),
+    }
+
+
+def _cpu() -> str:
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name")), "unknown")
+
+
+def _deletes_server(model: Path, out: Path) -> tuple[Any, Any]:
+    """An engine with T1 and T2 under `out` and its API with DELETE_TENANTS tenants (keys `key-0`...), plus a
+    route that starts the event-loop ticker."""
+    from quantize.model.sources import load_model, load_tokenizer, resolve_model
+    from serve.engine import Engine, EngineConfig
+    from serve.openai import ServerInfo
+    from serve.openai.routes import create_app
+    from serve.tenancy.tenants import TenantsSource
+
+    tenants = out / "tenants.toml"
+    tenants.write_text("".join(f'[tenants.t{i}]\nkeys = ["key-{i}"]\n\n' for i in range(DELETE_TENANTS)))
+    shutil.rmtree(out / "t2", ignore_errors=True)
+    source = resolve_model(str(model))
+    config = EngineConfig(
+        kv_memory="64MB",
+        kv_host_memory=256 * 2**20,
+        kv_disk=str(out / "t2"),
+        kv_disk_size=1024 * 2**20,
+        max_model_len=512,
+    )
+    engine = Engine(load_model(source), load_tokenizer(source), config)
+    info = ServerInfo(name="bench", version="1", tenants=TenantsSource(tenants), request_timeout=120)
+    app = create_app(engine, info)
+    app.state.lag = []
+
+    @app.get("/bench/ticker")
+    async def ticker() -> dict[str, str]:
+        async def tick() -> None:
+            while True:
+                started = time.perf_counter()
+                await asyncio.sleep(0.005)
+                app.state.lag.append(time.perf_counter() - started - 0.005)
+
+        app.state.ticking = asyncio.ensure_future(tick())
+        return {"status": "ticking"}
+
+    return engine, app
+
+
+def _index_sessions(engine: Any, count: int) -> None:
+    """`count` sessions over the tenants, each holding one block key (not stored: the index is what is
+    measured), as if recorded earlier."""
+    tiers = engine.tiers.tiers
+    per = count // DELETE_TENANTS
+    now = time.time() - 3600
+    with tiers._lock:
+        for tenant in range(DELETE_TENANTS):
+            for i in range(per):
+                name = (f"t{tenant}", f"user-{i // 4}", f"s{i}")
+                tiers.index.use(name, None, None, now=now + i * 1e-3)
+                tiers.index.add_key(name, random.randbytes(32), 100_000)
+    tiers.flush()
+
+
+def _load(url: str, stop: threading.Event, errors: list[str]) -> None:
+    """One client: session requests of tenant t0, one after another, each a new session (real blocks)."""
+    words = [
+        "once",
+        "upon",
+        "a",
+        "time",
+        "there",
+        "was",
+        "a",
+        "little",
+        "girl",
+        "who",
+        "liked",
+        "to",
+        "play",
+        "in",
+        "the",
+        "park",
+        "with",
+        "her",
+        "dog",
+    ]
+    rng = random.Random(threading.get_ident())
+    with httpx.Client(timeout=120) as client:
+        while not stop.is_set():
+            prompt = " ".join(rng.choice(words) for _ in range(120))
+            body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+            body |= {"user": f"load-{rng.randrange(50)}", "session_id": f"live-{rng.randrange(10**9)}"}
+            answer = client.post(
+                f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer key-0"}
+            )
+            if answer.status_code != 200:
+                errors.append(f"{answer.status_code} {answer.text[:200]}")
+
+
+def _delete(url: str, stop: threading.Event, latencies: list[float], codes: dict[int, int]) -> None:
+    """One client sending DELETEs back to back: single sessions and whole users, of every tenant."""
+    rng = random.Random(threading.get_ident())
+    per = 10**9
+    with httpx.Client(timeout=120) as client:
+        while not stop.is_set():
+            tenant = rng.randrange(DELETE_TENANTS)
+            if rng.random() < 0.5:
+                i = rng.randrange(per) % 10_000
+                path, params = f"/v1/sessions/s{i}", {"user": f"user-{i // 4}"}
+            else:
+                path, params = "/v1/sessions", {"user": f"user-{rng.randrange(2500)}"}
+            started = time.perf_counter()
+            answer = client.delete(
+                f"{url}{path}", params=params, headers={"Authorization": f"Bearer key-{tenant}"}
+            )
+            latencies.append(time.perf_counter() - started)
+            codes[answer.status_code] = codes.get(answer.status_code, 0) + 1
+
+
+def _phase(url: str, app: Any, steps: list[float], seconds: float, deleters: int) -> dict[str, Any]:
+    """`seconds` of load (4 clients), with `deleters` DELETE clients beside it: step times, loop lag, DELETEs."""
+    stop, errors, latencies, codes = threading.Event(), [], [], {}  # type: ignore[var-annotated]
+    threads = [threading.Thread(target=_load, args=(url, stop, errors)) for _ in range(4)]
+    threads += [threading.Thread(target=_delete, args=(url, stop, latencies, codes)) for _ in range(deleters)]
+    for thread in threads:
+        thread.start()
+    time.sleep(3)  # warm up
+    del steps[:], app.state.lag[:]
+    time.sleep(seconds)
+    measured_steps, lag = list(steps), list(app.state.lag)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    return {
+        "engine_step": _percentiles(measured_steps),
+        "event_loop_lag": _percentiles(lag),
+        "deletes": {**_percentiles(latencies), "status": codes},
+        "load_errors": errors[:3],
+    }
+
+
+def measure_deletes(model: Path | None, out: Path, indexed: int, seconds: float) -> dict[str, Any]:
+    """Engine step times and event-loop lag with `indexed` sessions indexed, without and with DELETEs."""
+    from serve.http import BackgroundServer
+
+    model = model or ROOT.parent / "shared" / "models" / "stories260k"
+    engine, app = _deletes_server(model, out)
+    steps: list[float] = []
+    step = engine.step
+
+    def timed() -> bool:
+        started = time.perf_counter()
+        worked = step()
+        if worked:
+            steps.append(time.perf_counter() - started)
+        return bool(worked)
+
+    engine.step = timed
+    started = time.perf_counter()
+    _index_sessions(engine, indexed)
+    result: dict[str, Any] = {
+        "cpu": _cpu(),
+        "model": str(model),
+        "indexed": len(engine.tiers.tiers.index),
+        "index_seconds": round(time.perf_counter() - started, 1),
+    }
+    print(f"CPU: {result['cpu']}; {result['indexed']:,} sessions indexed", flush=True)
+    with BackgroundServer(app) as url:
+        httpx.get(f"{url}/bench/ticker")
+        result["without_deletes"] = _phase(url, app, steps, seconds, 0)
+        print("without DELETEs", json.dumps(result["without_deletes"]), flush=True)
+        result["with_deletes"] = _phase(url, app, steps, seconds, 2)
+        print("with DELETEs   ", json.dumps(result["with_deletes"]), flush=True)
+    result["indexed_after"] = len(engine.tiers.tiers.index)
+    engine.close()
+    return result
 
 
 if __name__ == "__main__":

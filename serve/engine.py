@@ -744,14 +744,20 @@ class Engine:
         self._deliver(outputs)
 
     def forget_sessions(
-        self, tenant: str, user: str | None = None, session_id: str | None = None
+        self,
+        tenant: str,
+        user: str | None = None,
+        session_id: str | None = None,
+        before: float | None = None,
     ) -> int | None:
         """Delete a tenant's session's (or user's) stored KV from every tier; the number of blocks removed, None
-        when the tenant has no such session (what another tenant's session looks like too)."""
+        when the tenant has no such session (what another tenant's session looks like too). Finding and deleting
+        the stored blocks never takes the engine lock; only unregistering them from the pool's prefix cache
+        does, briefly (call it off the event loop: it may wait for a step to end). `before`: only sessions last used
+        before then (a deletion replayed after a restart)."""
         if self.tiers is None:
             return None
-        with self._lock:
-            return self.tiers.forget(tenant, user, session_id)
+        return self.tiers.forget(tenant, user, session_id, self._lock, before)
 
     def close(self) -> None:
         """Write out what the tiers still have queued (a draining server calls this last)."""

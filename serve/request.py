@@ -61,6 +61,7 @@ class Owner:
     weight: float = (
         1.0  # the tenant's share of its tier's tokens against the other tenants' (`serve.fair_queue`)
     )
+    max_sessions: int | None = None  # the tenant's cap on sessions indexed (None: the tiers' default)
 
     @property
     def session(self) -> SessionName | None:

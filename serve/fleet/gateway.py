@@ -284,6 +284,8 @@ class Gateway:
         try:
             workers = await self.live_workers()
             pipe = self.redis.pipeline(transaction=False)
+            record = P.forget_record(tenant, user, session_id, time.time())
+            pipe.xadd(P.FORGETS, record, maxlen=P.FORGETS_KEPT, approximate=True)
             for worker in workers:
                 pipe.xadd(P.worker_stream(worker.worker_id), P.forget_entry(tenant, user, session_id, reply))
             await pipe.execute()
@@ -295,6 +297,23 @@ class Gateway:
             ) from exc
         found = [blocks for blocks in answers if blocks >= 0]
         return (sum(found) if found else None), len(workers), len(workers) - len(answers)
+
+    async def admit_deletion(self, tenant: Tenant) -> tuple[str, dict[str, str]]:
+        """A session deletion's request and slot in the tenant's limits (as a completion's): its id to release
+        and the x-ratelimit-* headers, or ApiError 429 (503 when Redis cannot be asked)."""
+        caller = self.config.info.tenants.current.caller(tenant, None)
+        request_id = f"del-{uuid.uuid4().hex}"
+        try:
+            verdict = await self.admission.admit(tenant, request_id, time.time() + 60)
+        except LimiterUnavailable as exc:
+            self.metrics.redis_errors.inc()
+            raise ApiError(
+                503, "rate limits cannot be checked (Redis unreachable); retry", kind="unavailable"
+            ) from exc
+        if not verdict.allowed:
+            self.metrics.tenants.rate_limited.labels(caller.tenant, caller.tier, verdict.limit or "").inc()
+            raise refusal(verdict, caller.tenant)
+        return request_id, verdict.headers
 
     async def _answers(self, reply: str, expected: int, wait: float) -> list[int]:
         """The blocks each worker reports on `reply`, until all `expected` answered or `wait` passed."""
@@ -443,13 +462,24 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
 
 
 async def _forget(gateway: Gateway, tenant: Tenant, user: str | None, session_id: str | None) -> Response:
+    """A deletion within the tenant's limits, answered by the live workers; kept in Redis for those that are not
+    (202 while any is pending, or when no worker is live)."""
     try:
         user, session_id = session_label(user, session_id)
+        request_id, headers = await gateway.admit_deletion(tenant)
+    except ApiError as error:
+        return error_response(error)
+    try:
         blocks, workers, pending = await gateway.forget_sessions(tenant.name, user, session_id)
     except ApiError as error:
         return error_response(error)
-    if blocks is None and pending == 0:
-        return error_response(session_not_found(user, session_id))
+    finally:
+        await gateway.admission.release(tenant, request_id)
+    if blocks is None and pending == 0 and workers > 0:
+        response = error_response(session_not_found(user, session_id))
+        response.headers.update(headers)
+        return response
+    accepted = pending > 0 or workers == 0
     body: dict[str, Any] = {
         "user": user,
         "blocks": blocks or 0,
@@ -457,9 +487,13 @@ async def _forget(gateway: Gateway, tenant: Tenant, user: str | None, session_id
         "workers_pending": pending,
     }
     if session_id is None:
-        return JSONResponse({"object": "sessions.deleted", **body}, status_code=202 if pending else 200)
+        return JSONResponse(
+            {"object": "sessions.deleted", **body}, status_code=202 if accepted else 200, headers=headers
+        )
     return JSONResponse(
-        {"object": "session.deleted", "id": session_id, **body}, status_code=202 if pending else 200
+        {"object": "session.deleted", "id": session_id, **body},
+        status_code=202 if accepted else 200,
+        headers=headers,
     )
 
 

@@ -26,7 +26,11 @@ Layout (all keys under `qpack:`):
   their heartbeat and apply it to their engine's scheduler.
 - A `forget` entry (tenant, user, session, reply stream) in every live worker's own stream: a session deletion
   (privacy request) that each worker applies to its pool and tiers, only among that tenant's sessions, answering
-  on the reply stream how many blocks it removed (-1: no such session there).
+  on the reply stream how many blocks it removed (-1: no such session there). Each deletion is also kept in
+  `forgets`, a stream of the fleet's deletions (the newest `FORGETS_KEPT`), with the time it was asked: a worker
+  that was down (or missed its heartbeat) when a deletion went out applies every kept one when it starts, and
+  follows the stream while it runs, each only to sessions last used before that time, so a session begun again
+  after its deletion is left alone, and applying one twice is harmless.
 - Identity: the gateway authenticates the API key and stamps each request with its `caller` (tenant, tier,
   limits a worker applies; `serve.tenancy.Caller`); a worker acts on that stamp only, never on the body's
   `user`, `session_id` or `service_tier` as identity. Limits that must hold across gateways live under
@@ -50,6 +54,8 @@ Fields = dict[bytes | str, bytes | str]  # a stream entry's or a hash's fields, 
 PREFIX = "qpack:"
 GROUP = "workers"
 WORKERS = PREFIX + "workers"
+FORGETS = PREFIX + "forgets"
+FORGETS_KEPT = 100_000  # deletions kept for workers that were down (approximate trim)
 
 
 def text(value: bytes | str) -> str:
@@ -130,6 +136,13 @@ def forget_entry(
     tenant: str, user: str | None, session_id: str | None, reply: str
 ) -> dict[FieldT, EncodableT]:
     return {"forget": json.dumps({"tenant": tenant, "user": user, "session_id": session_id, "reply": reply})}
+
+
+def forget_record(
+    tenant: str, user: str | None, session_id: str | None, at: float
+) -> dict[FieldT, EncodableT]:
+    """A deletion as `forgets` keeps it, for workers that were not there to answer."""
+    return {"forget": json.dumps({"tenant": tenant, "user": user, "session_id": session_id, "at": at})}
 
 
 def forget_reply_stream(token: str) -> str:

@@ -8,7 +8,9 @@ request's response stream, written by a sender thread so the engine thread never
 request is answered its entry is XACKed. A heartbeat hash (model, version, content hash, capacity, load) is
 refreshed every second with a short TTL; in-flight entries are re-claimed to this worker every few seconds
 (which resets their idle time), and entries that a dead worker left pending are claimed once idle for
-`claim_idle` seconds and generated again from the start, with the same seed.
+`claim_idle` seconds and generated again from the start, with the same seed. Session deletions come as
+`forget` entries in its own stream (answered), and from the fleet's `forgets` stream, which it reads through at
+start and follows while it runs: a deletion sent while it was down is applied before it takes any work.
 
 Identity is the gateway's stamp on each request (`caller`: tenant, tier, limits), never the body: the body's
 `user` and `session_id` are names inside that tenant. The worker alone knows a prompt's token count, so it
@@ -102,6 +104,7 @@ class FleetWorker:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.max_chars = engine.max_model_len * longest_token_chars(engine.tokenizer)
+        self.forgets_seen = "-"  # the last entry of the fleet's `forgets` stream applied here
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -121,11 +124,13 @@ class FleetWorker:
             try:
                 if not groups:
                     self._ensure_groups()
+                    self.replay_forgets()
                     groups = True
                 if time.monotonic() - last_beat >= self.config.heartbeat_s:
                     self._heartbeat()
                     last_beat = time.monotonic()
                 if time.monotonic() - last_claim > self.config.claim_idle_s / 3:
+                    self.replay_forgets()
                     self._refresh_and_claim()
                     last_claim = time.monotonic()
                 self._check_cancels()
@@ -329,6 +334,29 @@ class FleetWorker:
             except (ValueError, TypeError, KeyError):
                 continue
         return chain
+
+    def replay_forgets(self, batch: int = 1000) -> int:
+        """Apply the fleet's kept deletions newer than the last applied here (all of them at start), each only to
+        sessions last used before it was asked; how many were read."""
+        read = 0
+        while True:
+            start = "-" if self.forgets_seen == "-" else "(" + self.forgets_seen
+            found = list(P.entries(self.redis.xrange(P.FORGETS, min=start, count=batch) or []))
+            for entry_id, fields in found:
+                self.forgets_seen = entry_id
+                try:
+                    target = json.loads(P.text(fields.get(b"forget", fields.get("forget", ""))))
+                    self.engine.forget_sessions(
+                        str(target["tenant"]),
+                        target.get("user"),
+                        target.get("session_id"),
+                        float(target["at"]),
+                    )
+                except (ValueError, TypeError, AttributeError, KeyError) as exc:
+                    _log.warning("skipping a malformed kept deletion %s: %s", entry_id, exc)
+            read += len(found)
+            if len(found) < batch:
+                return read
 
     def _forget(self, stream: str, entry_id: str, fields: P.Fields) -> None:
         """A session deletion broadcast by a gateway, within one tenant: drop its KV here, answer how many blocks

@@ -9,7 +9,9 @@
   prompt is tokenized, prompt + max_tokens from the token bucket after, the unused part back at the end; a
   refusal is OpenAI's 429 with `Retry-After` and `x-ratelimit-*` headers, which successful answers carry too.
   `service_tier` may lower the tier a request runs at, never raise it; the answer says which it ran at.
-  `user`, `session_id` and the session deletions are names inside the caller's tenant.
+  `user`, `session_id` and the session deletions are names inside the caller's tenant. A deletion takes a
+  request and a slot at the door too, and runs on its own thread (`Sessions`): it may wait for an engine step to
+  unregister the blocks from the prefix cache, and nothing on the event loop may.
 - Requests themselves are `serve.openai.generation`'s: tokenizing on one worker thread, never on the event loop,
   after a character cap (`prompts`), so a huge prompt can neither stall `/health` nor other requests' streams;
   the surge controller's refusals and routes (`serve.control`); the variant that answers.
@@ -34,7 +36,9 @@ import asyncio
 import hmac
 import logging
 import threading
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +56,7 @@ from serve.openai.errors import error_response, internal_error, session_not_foun
 from serve.openai.generation import Generation
 from serve.openai.protocol import ApiError, session_label
 from serve.options import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK
+from serve.tenancy.admission import Door
 from serve.tenancy.tenants import Tenant, TenantsSource, key_digest
 from serve.variants import Variants
 
@@ -217,16 +222,19 @@ def create_app(target: Engine | Variants, info: ServerInfo) -> FastAPI:
     async def models() -> dict[str, Any]:
         return _models(variants, info)
 
+    sessions = Sessions(engines, info.tenants, generation.door)
+    state["sessions"] = sessions
+
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(request: Request, session_id: str, user: str | None = None) -> Response:
         """A privacy request: the session's stored KV leaves every tier (and the pool's prefix cache) of every
         variant. Only the caller's tenant's sessions are seen: another tenant's session is a 404, like one that
         never existed."""
-        return _forget(engines, request.state.tenant, user, session_id)
+        return await sessions.forget(request.state.tenant, user, session_id)
 
     @app.delete("/v1/sessions")
     async def delete_user_sessions(request: Request, user: str | None = None) -> Response:
-        return _forget(engines, request.state.tenant, user, None)
+        return await sessions.forget(request.state.tenant, user, None)
 
     @app.get("/health")
     async def health() -> Response:
@@ -277,6 +285,8 @@ def _lifespan(
             for thread in threads:
                 thread.join(timeout=10)
             generation.shutdown()
+            if "sessions" in state:
+                state["sessions"].shutdown()
             for engine in engines:
                 engine.close()
 
@@ -333,15 +343,43 @@ def _models(variants: Variants, info: ServerInfo) -> dict[str, Any]:
     return {"object": "list", "data": [model, *(pins if len(variants) > 1 else [])]}
 
 
-def _forget(engines: list[Engine], tenant: Tenant, user: str | None, session_id: str | None) -> Response:
-    try:
-        user, session_id = session_label(user, session_id)
-    except ApiError as error:
-        return error_response(error)
-    found = [b for e in engines if (b := e.forget_sessions(tenant.name, user, session_id)) is not None]
-    blocks = sum(found) if found else None
-    if blocks is None:
-        return error_response(session_not_found(user, session_id))
-    if session_id is None:
-        return JSONResponse({"object": "sessions.deleted", "user": user, "blocks": blocks})
-    return JSONResponse({"object": "session.deleted", "id": session_id, "user": user, "blocks": blocks})
+class Sessions:
+    """The sessions API: a deletion passes its tenant's limits at the door (a request and a concurrency slot, as
+    a completion does: a flood of deletions is a 429, never a stalled server), then runs on a thread of its own,
+    never on the event loop, and costs only its tenant's sessions."""
+
+    def __init__(self, engines: list[Engine], tenants: TenantsSource, door: Door) -> None:
+        self.engines, self.tenants, self.door = engines, tenants, door
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="qpack-sessions")
+
+    async def forget(self, tenant: Tenant, user: str | None, session_id: str | None) -> Response:
+        try:
+            user, session_id = session_label(user, session_id)
+            ticket = self.door.admit(
+                tenant, self.tenants.current.caller(tenant, None), f"del-{uuid.uuid4().hex}"
+            )
+        except ApiError as error:
+            return error_response(error)
+        try:
+            loop = asyncio.get_running_loop()
+            blocks = await loop.run_in_executor(self.pool, self._forget, tenant.name, user, session_id)
+        finally:
+            self.door.close(ticket, 0, ran=False)
+        if blocks is None:
+            response = error_response(session_not_found(user, session_id))
+        elif session_id is None:
+            response = JSONResponse({"object": "sessions.deleted", "user": user, "blocks": blocks})
+        else:
+            response = JSONResponse(
+                {"object": "session.deleted", "id": session_id, "user": user, "blocks": blocks}
+            )
+        response.headers.update(ticket.headers)
+        return response
+
+    def _forget(self, tenant: str, user: str | None, session_id: str | None) -> int | None:
+        found = [b for e in self.engines if (b := e.forget_sessions(tenant, user, session_id)) is not None]
+        return sum(found) if found else None
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False)
+

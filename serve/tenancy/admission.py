@@ -64,6 +64,7 @@ def owner_of(caller: Caller, request: GenerationRequest) -> Owner:
         request.session_id,
         caller.session_ttl,
         caller.weight,
+        caller.max_sessions,
     )
 
 

@@ -19,6 +19,7 @@ The file (TOML, or JSON of the same shape):
     requests_per_minute = 600       # optional limits: tokens_per_minute, max_concurrent, max_tokens
     session_ttl = 3600              # optional: seconds an idle session's stored KV is kept
     weight = 2                      # optional: its share of its tier's tokens against its peers' (default 1)
+    max_sessions = 10000            # optional: sessions whose stored KV is indexed; the least recently used go
 
     [shared_prefixes.support]       # optional: prefix-cache sharing across tenants, only of this text
     text = "You are the support assistant of ..."
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from quantize.common.errors import QpackError
+from serve.tiers.sessions import DEFAULT_MAX_SESSIONS
 
 try:
     import tomllib
@@ -119,6 +121,7 @@ class Tenant:
     session_ttl: float | None = None
     shared_prefixes: tuple[SharedPrefix, ...] = ()
     weight: float = 1.0
+    max_sessions: int = DEFAULT_MAX_SESSIONS  # sessions of stored KV indexed at once, per engine
 
     def __repr__(self) -> str:  # never print a key digest
         return f"Tenant({self.name!r}, tier={self.tier.name!r}, keys=<{len(self.key_digests)}>)"
@@ -139,6 +142,7 @@ class Caller:
     session_ttl: float | None = None
     shared_prefixes: tuple[SharedPrefix, ...] = ()
     weight: float = 1.0
+    max_sessions: int = DEFAULT_MAX_SESSIONS
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -151,6 +155,7 @@ class Caller:
             "session_ttl": self.session_ttl,
             "shared_prefixes": [[p.name, p.sha256, p.chars] for p in self.shared_prefixes],
             "weight": self.weight,
+            "max_sessions": self.max_sessions,
         }
 
     @classmethod
@@ -172,6 +177,7 @@ class Caller:
                 session_ttl=_optional(data.get("session_ttl"), float),
                 shared_prefixes=prefixes,
                 weight=float(data.get("weight", 1.0)),
+                max_sessions=max(1, int(data.get("max_sessions") or DEFAULT_MAX_SESSIONS)),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"the caller stamp is incomplete ({exc})") from None
@@ -242,6 +248,7 @@ class Tenants:
             session_ttl=tenant.session_ttl,
             shared_prefixes=tenant.shared_prefixes,
             weight=tenant.weight,
+            max_sessions=tenant.max_sessions,
         )
 
     @classmethod
@@ -458,6 +465,7 @@ _LIMITS = {
     "max_tokens": int,
     "session_ttl": float,
     "weight": float,
+    "max_sessions": int,
 }
 
 
@@ -522,7 +530,8 @@ def _tenant(
     shared = tuple(prefix for prefix, members in prefixes.values() if name in members)
     session_ttl = values.pop("session_ttl", None)
     weight = values.pop("weight", 1.0)
-    return Tenant(name, tier, Limits(**values), digests, session_ttl, shared, weight)
+    max_sessions = values.pop("max_sessions", DEFAULT_MAX_SESSIONS)
+    return Tenant(name, tier, Limits(**values), digests, session_ttl, shared, weight, max_sessions)
 
 
 def _digests(entry: dict[str, Any], where: tuple[str, ...], problems: _Problems) -> tuple[bytes, ...]:

@@ -11,7 +11,9 @@ tokens would recompute faster than it loads.
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 from serve.block_pool import BlockPool, PrefixKey
 from serve.request import Request
@@ -46,7 +48,7 @@ class TierAdapter:
         if not self.worth_loading():
             self.skipped += 1
             return []
-        self.tiers.touch(request.session, request.owner.session_ttl)
+        self.tiers.touch(request.session, request.owner.session_ttl, request.owner.max_sessions)
         started = time.perf_counter()
         blocks = self.tiers.fetch(keys, limit=self.pool.num_free)
         if not blocks:
@@ -60,13 +62,22 @@ class TierAdapter:
 
     def on_register(self, request: Request, block_id: int, key: PrefixKey) -> None:
         block = self.runner.read_block(block_id).cpu()  # a host copy on CUDA
-        self.tiers.offer(key, block, request.session, request.owner.session_ttl)
+        owner = request.owner
+        self.tiers.offer(key, block, request.session, owner.session_ttl, owner.max_sessions)
 
-    def forget(self, tenant: str, user: str | None, session_id: str | None) -> int | None:
+    def forget(
+        self,
+        tenant: str,
+        user: str | None,
+        session_id: str | None,
+        pool_lock: AbstractContextManager[Any],
+        before: float | None = None,
+    ) -> int | None:
         """Remove a tenant's session's (or user's) blocks from every tier, the pool's prefix cache included; None
-        when the tenant has no such session."""
-        keys = self.tiers.forget(tenant, user, session_id)
+        when the tenant has no such session. Only the pool's part runs under `pool_lock` (the engine's)."""
+        keys = self.tiers.forget(tenant, user, session_id, before)
         if keys is None:
             return None
-        self.pool.forget(keys)
+        with pool_lock:
+            self.pool.forget(keys)
         return len(keys)

@@ -7,7 +7,8 @@ either the old file or the new one, never half of one; the LRU order survives a 
 modification times (a hit touches its file). One file per block rather than an embedded database: blocks are
 written once and read whole, deletes (session privacy requests, eviction) are single unlinks, and a corrupted
 file costs one block, never the store. A disk that fills up or turns read-only disables T2 with one warning;
-serving goes on with T0 and T1.
+serving goes on with T0 and T1. Each store says which keys left it (evicted, deleted, found unreadable) through
+`on_evict`, after releasing its lock: the session index forgets blocks no tier holds any more.
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 _log = logging.getLogger("qpack.serve.tiers")
+
+Evicted = Callable[[list[bytes]], None]  # told, after the store's lock is released, which keys left it
+
+
+def _ignore(_keys: list[bytes]) -> None:
+    return None
 
 
 class HostStore:
@@ -47,9 +55,14 @@ class HostStore:
         self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low pages first
         self._items: OrderedDict[bytes, tuple[list[int], int]] = OrderedDict()  # key -> (pages, length)
         self._lock = threading.Lock()
+        self.on_evict: Evicted = _ignore
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._items
 
     @property
     def size(self) -> int:
@@ -73,21 +86,29 @@ class HostStore:
         needed = -(-len(data) // self.page_size)
         if needed > self.num_pages:
             return False
+        evicted: list[bytes] = []
         with self._lock:
             self._drop(key)
             while len(self._free) < needed:
-                self._drop(next(iter(self._items)))
+                oldest = next(iter(self._items))
+                self._drop(oldest)
+                evicted.append(oldest)
             pages = [self._free.pop() for _ in range(needed)]
             view, size = memoryview(data), self.page_size
             for index, page in enumerate(pages):
                 chunk = view[index * size : (index + 1) * size]
                 self._arena[page * size : page * size + len(chunk)] = chunk
             self._items[key] = (pages, len(data))
+        if evicted:
+            self.on_evict(evicted)
         return True
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
-            return self._drop(key)
+            dropped = self._drop(key)
+        if dropped:
+            self.on_evict([key])
+        return dropped
 
     def _drop(self, key: bytes) -> bool:
         entry = self._items.pop(key, None)
@@ -108,14 +129,27 @@ class DiskStore:
         self.disabled_reason: str | None = None
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._lock = threading.Lock()
+        self._evicted: list[bytes] = []  # keys that left under the lock, told once it is released
+        self.on_evict: Evicted = _ignore
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._scan()
+            self._evicted.clear()
         except OSError as exc:
             self._disable(f"cannot use {self.folder} ({exc.strerror or exc})")
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def _tell(self) -> None:
+        with self._lock:
+            evicted, self._evicted = self._evicted, []
+        if evicted:
+            self.on_evict(evicted)
 
     def _path(self, key: bytes) -> Path:
         hex_key = key.hex()
@@ -152,10 +186,13 @@ class DiskStore:
                 data = path.read_bytes()
                 os.utime(path, (time.time(), time.time()))
             except OSError:
+                data = None
                 self._forget(key)
-                return None
-            self._index.move_to_end(key)
-            return data
+            else:
+                self._index.move_to_end(key)
+        if data is None:
+            self._tell()
+        return data
 
     def put(self, key: bytes, data: bytes) -> bool:
         if len(data) > self.capacity:
@@ -181,11 +218,14 @@ class DiskStore:
             self._index[key] = len(data)
             self.size += len(data)
             self._evict(0)
-            return True
+        self._tell()
+        return True
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
-            return self._forget(key)
+            found = self._forget(key)
+        self._tell()
+        return found
 
     def _forget(self, key: bytes, unlink: bool = True) -> bool:
         size = self._index.pop(key, None)
@@ -193,6 +233,7 @@ class DiskStore:
             return False
         self.size -= size
         if unlink:
+            self._evicted.append(key)
             with contextlib.suppress(OSError):
                 self._path(key).unlink(missing_ok=True)
         return True

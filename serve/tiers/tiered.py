@@ -16,16 +16,20 @@ block size and the tenant's salt: a new artifact version never reads an old vers
 server with the same artifact reads all of them, and tenants with different salts never share one.
 
 Sessions: a request may name its `user` and a `session_id`, names inside its tenant (the API key's): the blocks
-it registers are recorded under (tenant, user, session) (blocks, bytes, last use). Deleting a session removes its
-blocks from every tier, except blocks another session also holds (a shared system prompt); deleting a user removes
-all of theirs; a deletion only ever sees the caller's tenant's sessions. `session_ttl` (or the tenant's own) expires
-idle sessions the same way. The session index is kept beside T2's files, so a restarted server can still honour
-deletions.
+it registers are recorded under (tenant, user, session) (blocks, bytes, last use) in a bounded index (`sessions`:
+an entry dies with its last stored block, each tenant keeps at most its `max_sessions`, least recently used
+forgotten first). Deleting a session removes its blocks from every tier, except blocks another session also holds
+(a shared system prompt), and its blocks still queued for writing are never written; deleting a user removes all
+of theirs; a deletion only ever sees the caller's tenant's sessions, and costs only theirs. `session_ttl` (or the
+tenant's own) expires idle sessions the same way, on a housekeeping thread that also deletes the blocks of
+sessions over a cap and appends what changed to the tenants' index logs every `save_interval` seconds, so
+neither the engine thread nor a deletion's caller ever writes an index file. The index is kept beside T2's files,
+one directory per engine (`serve.tiers.sessions`), so a restarted server can still honour deletions; blocks
+written after the last save are found again only if they are on disk and their session's log line was written.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -33,28 +37,27 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 import torch
 
 from serve.request import SessionName
 from serve.tiers.codec import BlockLayout, CorruptBlock, decode, encode
+from serve.tiers.sessions import (
+    DEFAULT_MAX_SESSIONS,
+    LEGACY_FILE,
+    IndexFiles,
+    Session,
+    SessionIndex,
+    namespace,
+    read_index,
+    read_log,
+    remove,
+)
 from serve.tiers.stores import DiskStore, HostStore
 
 _log = logging.getLogger("qpack.serve.tiers")
-SESSIONS_FILE = "sessions.json"
-_UNSCOPED = "default"  # the tenant of sessions an index of format 1 (before tenants) recorded
-
-
-@dataclass
-class Session:
-    keys: dict[bytes, int] = field(default_factory=dict)  # key -> encoded bytes, in order of writing
-    last_use: float = field(default_factory=time.time)
-    ttl: float | None = None  # its tenant's session TTL, when that sets one
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.keys.values())
+__all__ = ["DEFAULT_MAX_SESSIONS", "Session", "TierStats", "TieredKV"]
 
 
 @dataclass
@@ -66,13 +69,20 @@ class TierStats:
     dropped: int = 0
     load_seconds: float = 0.0
     loaded_blocks: int = 0
+    buried: int = 0  # blocks of deleted sessions that were queued and never written
 
 
-_Write = tuple[bytes, torch.Tensor, SessionName | None, float | None]  # key, block copy, session, its TTL
+class _Write(NamedTuple):
+    key: bytes
+    block: torch.Tensor  # a copy: the pool reuses its slots
+    session: SessionName | None
+    ttl: float | None  # its tenant's session TTL
+    max_sessions: int | None  # its tenant's cap
+    seq: int  # its place in the queue (deletions bury what was offered before them)
 
 
 class TieredKV:
-    """T1 and T2 behind one write-through queue and one lookup."""
+    """T1 and T2 behind one write-through queue and one lookup, with the session index and its housekeeping."""
 
     def __init__(
         self,
@@ -84,19 +94,38 @@ class TieredKV:
         queue_bytes: int | None = None,
         session_ttl: float | None = None,
         on_event: Callable[[str, str, float], None] | None = None,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        save_interval: float = 2.0,
+        sweep_interval: float = 30.0,
     ) -> None:
         self.layout, self.host, self.disk, self.codec = layout, host, disk, codec
         self.session_ttl = session_ttl
+        self.save_interval, self.sweep_interval = save_interval, sweep_interval
         self.stats = TierStats()
         self.on_event = on_event or (lambda _event, _tier, _value: None)
-        self.sessions: dict[SessionName, Session] = {}
+        self.index = SessionIndex(max_sessions)
         self._lock = threading.Lock()
+        self._offered = 0  # queue positions handed out (the engine thread offers)
         if queue_bytes is not None:
             queue_size = max(2, min(queue_size, queue_bytes // layout.raw_bytes))
         self._queue: queue.Queue[_Write | None] = queue.Queue(queue_size)
-        self._load_sessions()
+        self._doomed: queue.Queue[list[bytes] | None] = queue.Queue()  # keys the housekeeper deletes
+        self._logged: dict[str, int] = {}  # lines in each tenant's log
+        self._files = self._open_files()
+        self.index.journaling = self._files is not None
+        for store in (host, disk):
+            if store is not None:
+                store.on_evict = self._evicted
         self._thread = threading.Thread(target=self._run, name="qpack-kv-writer", daemon=True)
         self._thread.start()
+        self._housekeeper = threading.Thread(target=self._housekeep, name="qpack-kv-sessions", daemon=True)
+        self._housekeeper.start()
+
+    @property
+    def sessions(self) -> dict[SessionName, Session]:
+        """The indexed sessions (a copy of the index's mapping: for tests and reports)."""
+        with self._lock:
+            return dict(self.index.items())
 
     # ------------------------------------------------------------------ engine thread
 
@@ -106,12 +135,18 @@ class TieredKV:
         return self._queue.maxsize
 
     def offer(
-        self, key: bytes, block: torch.Tensor, session: SessionName | None, ttl: float | None = None
+        self,
+        key: bytes,
+        block: torch.Tensor,
+        session: SessionName | None,
+        ttl: float | None = None,
+        max_sessions: int | None = None,
     ) -> bool:
         """Queue a copy of a registered block for T1/T2 without waiting; False (counted) when the queue is
         full. `block` must already be a copy: the pool reuses its slots."""
+        self._offered += 1
         try:
-            self._queue.put_nowait((key, block, session, ttl))
+            self._queue.put_nowait(_Write(key, block, session, ttl, max_sessions, self._offered))
         except queue.Full:
             self.stats.dropped += 1
             self.on_event("dropped", "", 1)
@@ -158,143 +193,224 @@ class TieredKV:
             return block
         return None
 
-    def touch(self, session: SessionName | None, ttl: float | None = None) -> None:
+    def touch(
+        self, session: SessionName | None, ttl: float | None = None, max_sessions: int | None = None
+    ) -> None:
+        """`session` is in use now (indexed if new; its tenant's oldest sessions beyond its cap are forgotten,
+        their blocks deleted by the housekeeper)."""
         if session is not None:
             with self._lock:
-                entry = self.sessions.setdefault(session, Session(ttl=ttl))
-                entry.last_use, entry.ttl = time.time(), ttl
+                freed = self.index.use(session, ttl, max_sessions)
+            if freed:
+                self._doomed.put(freed)
 
-    # ------------------------------------------------------------------ deletion (any thread)
+    # ------------------------------------------------------------------ deletion (any thread but the engine's)
 
     def forget(
-        self, tenant: str, user: str | None = None, session_id: str | None = None
+        self, tenant: str, user: str | None = None, session_id: str | None = None, before: float | None = None
     ) -> list[bytes] | None:
-        """Remove a session's (or a user's) blocks from T1 and T2, only ever among `tenant`'s sessions; returns the
-        keys removed, or None when the tenant has no such session (another tenant's is no different). Blocks
-        another remaining session also holds are kept (and not returned)."""
+        """Remove a session's (or a user's) blocks from T1 and T2, only ever among `tenant`'s sessions (and only
+        sessions last used before `before`, when given); returns the keys removed, or None when the tenant has no
+        such session (another tenant's is no different). Blocks another remaining session also holds are kept
+        (and not returned); blocks of the session still queued for writing are never written. Costs the
+        tenant's sessions (one lookup for a named session) and one unlink per block; the index file is written
+        later, by the housekeeper."""
         with self._lock:
-            doomed = [
-                name
-                for name in self.sessions
-                if name[0] == tenant
-                and (user is None or name[1] == user)
-                and (session_id is None or name[2] == session_id)
-            ]
-            if not doomed:
-                return None
-            keys: dict[bytes, None] = {}
-            for name in doomed:
-                keys.update(dict.fromkeys(self.sessions.pop(name).keys))
-            kept = {k for s in self.sessions.values() for k in s.keys}
-            removed = [k for k in keys if k not in kept]
-        for key in removed:
+            freed = self.index.forget(tenant, user, session_id, before)
+            if before is None and self._queue.unfinished_tasks:
+                self.index.bury(self._offered, tenant, user, session_id)
+        if freed is None:
+            return None
+        self._delete(freed)
+        return freed
+
+    def expire(self, now: float | None = None) -> int:
+        """Forget sessions idle for longer than their tenant's TTL, else `session_ttl`; returns how many."""
+        with self._lock:
+            count, freed = self.index.expired(time.time() if now is None else now, self.session_ttl)
+        self._delete(freed)
+        return count
+
+    def _delete(self, keys: list[bytes]) -> None:
+        for key in keys:
             for store in (self.host, self.disk):
                 if store is not None:
                     store.delete(key)
-        if doomed:
-            self._save_sessions()
-        return removed
+
+    def _evicted(self, keys: list[bytes]) -> None:
+        """A store let these keys go: those no tier holds any more leave the session index."""
+        gone = [k for k in keys if not any(s is not None and k in s for s in (self.host, self.disk))]
+        if gone:
+            with self._lock:
+                self.index.lost(gone)
 
     # ------------------------------------------------------------------ writer thread
 
     def _run(self) -> None:
-        last_sweep = time.monotonic()
         while True:
-            try:
-                item = self._queue.get(timeout=1.0)
-            except queue.Empty:
-                item = None
-                if time.monotonic() - last_sweep > 30:
-                    self.expire()
-                    last_sweep = time.monotonic()
-                continue
+            item = self._queue.get()
             try:
                 if item is None:
                     return
-                self._write(*item)
+                self._write(item)
             except Exception:  # the writer must outlive one bad block
                 _log.exception("KV write-through failed")
             finally:
                 self._queue.task_done()
 
-    def _write(self, key: bytes, block: torch.Tensor, session: SessionName | None, ttl: float | None) -> None:
-        data = encode(self.layout, key, block, self.codec)
+    def _write(self, item: _Write) -> None:
+        session = item.session
+        if session is not None and self._buried(item):
+            return
+        data = encode(self.layout, item.key, item.block, self.codec)
         for store in (self.host, self.disk):
-            if store is not None and store.put(key, data):
+            if store is not None and store.put(item.key, data):
                 self.on_event("written", store.name, 1)
         self.stats.written += 1
-        if session is not None:
-            with self._lock:
-                entry = self.sessions.setdefault(session, Session(ttl=ttl))
-                entry.keys[key] = len(data)
-                entry.last_use, entry.ttl = time.time(), ttl
-
-    def expire(self, now: float | None = None) -> int:
-        """Forget sessions idle for longer than their tenant's TTL, else `session_ttl`; returns how many."""
-        now = time.time() if now is None else now
+        if session is None:
+            return
         with self._lock:
-            idle = [
-                name
-                for name, s in self.sessions.items()
-                if (ttl := s.ttl or self.session_ttl) is not None and now - s.last_use > ttl
-            ]
-        for tenant, user, session_id in idle:
-            self.forget(tenant, user, session_id)
-        return len(idle)
+            buried = self.index.buried(session, item.seq)
+            if not buried:
+                freed = self.index.use(session, item.ttl, item.max_sessions)
+                self.index.add_key(session, item.key, len(data))
+            self.index.written_up_to(item.seq)
+            orphan = buried and item.key not in self.index.holders
+        if buried:
+            self.stats.buried += 1
+            if orphan:
+                self._delete([item.key])
+        elif freed:
+            self._delete(freed)
+
+    def _buried(self, item: _Write) -> bool:
+        assert item.session is not None
+        with self._lock:
+            buried = self.index.buried(item.session, item.seq)
+            if buried:
+                self.index.written_up_to(item.seq)
+        if buried:
+            self.stats.buried += 1
+        return buried
+
+    # ------------------------------------------------------------------ housekeeping thread
+
+    def _housekeep(self) -> None:
+        """Delete the blocks of sessions over a cap, expire idle sessions every `sweep_interval` seconds, and save
+        the index files of tenants that changed every `save_interval` seconds."""
+        last_sweep = last_save = time.monotonic()
+        while True:
+            taken = True
+            try:
+                keys = self._doomed.get(timeout=min(1.0, self.save_interval))
+            except queue.Empty:
+                keys, taken = [], False
+            try:
+                if keys is None:
+                    return
+                self._delete(keys)
+                if time.monotonic() - last_sweep > self.sweep_interval:
+                    self.expire()
+                    last_sweep = time.monotonic()
+                if time.monotonic() - last_save > self.save_interval:
+                    self.save()
+                    last_save = time.monotonic()
+            except Exception:  # housekeeping must outlive one failure
+                _log.exception("KV session housekeeping failed")
+            finally:
+                if taken:
+                    self._doomed.task_done()
 
     def flush(self) -> None:
-        """Wait until every queued block is written (tests, shutdown)."""
+        """Wait until every queued block is written and every doomed block deleted, then save the index (tests,
+        shutdown)."""
         self._queue.join()
-        self._save_sessions()
+        self._doomed.join()
+        self.save()
 
     def close(self) -> None:
         self.flush()
         self._queue.put(None)
+        self._doomed.put(None)
         self._thread.join(timeout=10)
+        self._housekeeper.join(timeout=10)
+        if self._files is not None:
+            self._files.close()
 
     # ------------------------------------------------------------------ the session index beside T2
 
-    def _sessions_path(self) -> Path | None:
-        return None if self.disk is None or not self.disk.enabled else self.disk.folder / SESSIONS_FILE
-
-    def _save_sessions(self) -> None:
-        path = self._sessions_path()
-        if path is None:
-            return
-        with self._lock:
-            data: dict[str, Any] = {
-                "format": 2,
-                "sessions": [
-                    {
-                        "tenant": t,
-                        "user": u,
-                        "session": s,
-                        "last_use": v.last_use,
-                        "ttl": v.ttl,
-                        "keys": {k.hex(): n for k, n in v.keys.items()},
-                    }
-                    for (t, u, s), v in self.sessions.items()
-                ],
-            }
-        tmp = path.with_suffix(".tmp")
+    def _open_files(self) -> IndexFiles | None:
+        """This engine's index directory, with what it and engines of its model no longer running left there,
+        and a legacy `sessions.json`; None without T2."""
+        disk = self.disk
+        if disk is None or not disk.enabled:
+            return None
+        layout = self.layout
+        space = namespace(layout.model_hash.hex(), layout.dtype, layout.block_size, layout.shape)
         try:
-            tmp.write_text(json.dumps(data))
-            tmp.replace(path)
+            files = IndexFiles(disk.folder, space)
         except OSError as exc:
-            _log.warning("KV session index not saved (%s)", exc)
-
-    def _load_sessions(self) -> None:
-        path = self._sessions_path()
-        if path is None or not path.is_file():
-            return
+            _log.warning(
+                "KV session index unusable in %s (%s); sessions are kept in memory only", disk.folder, exc
+            )
+            return None
+        self._load(files.files())
+        for _path, orphaned in files.orphans():
+            if self._load(orphaned):
+                self._save_to(files)
+            remove(orphaned)
+        legacy = disk.folder / LEGACY_FILE
+        taken = files.dir / "legacy.json"
         try:
-            data = json.loads(path.read_text())
-            for item in data["sessions"]:
-                keys = {bytes.fromhex(k): int(n) for k, n in item["keys"].items()}
-                ttl = item.get("ttl")
-                name = (str(item.get("tenant", _UNSCOPED)), str(item["user"]), str(item["session"]))
-                self.sessions[name] = Session(
-                    keys, float(item["last_use"]), None if ttl is None else float(ttl)
-                )
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            _log.warning("KV session index %s unreadable (%s); starting without it", path, exc)
+            legacy.rename(taken)  # one engine takes it over
+        except OSError:
+            return files
+        self._load([taken])
+        self._save_to(files)
+        remove([taken])
+        return files
+
+    def _load(self, paths: list[Path]) -> int:
+        """Index files, then their logs; the number of files read."""
+        disk = self.disk
+        assert disk is not None
+        for path in paths:
+            try:
+                if path.suffix == ".log":
+                    self.index.replay(read_log(path), disk.__contains__)
+                    continue
+                data = read_index(path)
+                if data is not None:
+                    self.index.merge(data, disk.__contains__)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                _log.warning("KV session index %s unreadable (%s); starting without it", path, exc)
+        return len(paths)
+
+    def save(self) -> None:
+        """Append what changed since the last save to each tenant's log; a tenant whose log outgrew its sessions
+        (or that was taken over) gets its file written whole instead."""
+        if self._files is not None:
+            self._save_to(self._files)
+
+    def _save_to(self, files: IndexFiles) -> None:
+        with self._lock:
+            dirty, self.index.dirty = self.index.dirty, set()
+            journal, self.index.journal = self.index.journal, {}
+            for tenant, entries in journal.items():
+                self._logged[tenant] = self._logged.get(tenant, 0) + len(entries)
+                sessions = len(self.index.tenants.get(tenant, ()))
+                if self._logged[tenant] > max(1000, 2 * sessions):
+                    dirty.add(tenant)
+        for tenant in sorted(dirty | set(journal)):
+            try:
+                if tenant in dirty:
+                    with self._lock:
+                        data = self.index.snapshot(tenant)
+                        self._logged[tenant] = 0
+                    files.write(tenant, data)
+                else:
+                    files.append(tenant, journal[tenant])
+            except OSError as exc:
+                _log.warning("KV session index of tenant %s not saved (%s)", tenant, exc)
+                with self._lock:
+                    self.index.dirty.add(tenant)

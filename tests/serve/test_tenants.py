@@ -11,6 +11,7 @@ import pytest
 
 from serve.tenancy.tenants import (
     ANONYMOUS,
+    DEFAULT_MAX_SESSIONS,
     Caller,
     SharedPrefix,
     Tenants,
@@ -231,3 +232,17 @@ tenants:
     (tmp_path / "evil.yaml").write_text("tenants: !!python/object/apply:os.system [echo hi]\n")
     with pytest.raises(TenantsError, match="fix the YAML"):
         load_tenants(tmp_path / "evil.yaml")
+
+
+def test_max_sessions_caps_a_tenants_session_index_and_is_checked_at_load() -> None:
+    capped = parse_tenants(EXAMPLE.replace("requests_per_minute = 8", "max_sessions = 500"), "t.toml")
+    acme, globex = capped.tenants
+    assert (acme.max_sessions, globex.max_sessions) == (DEFAULT_MAX_SESSIONS, 500)
+    caller = capped.caller(globex, None)
+    assert caller.max_sessions == 500 and Caller.from_json(caller.to_json()) == caller
+    assert Caller.from_json({**caller.to_json(), "max_sessions": None}).max_sessions == DEFAULT_MAX_SESSIONS
+    for bad, why in (("0", "must be positive (got 0)"), ("2.5", "must be an integer (got 2.5)")):
+        with pytest.raises(TenantsError) as raised:
+            parse_tenants(EXAMPLE.replace("requests_per_minute = 8", f"max_sessions = {bad}"), "t.toml")
+        assert f"line 9: tenants.globex.max_sessions {why}" in str(raised.value)
+        assert "\n" not in str(raised.value)
