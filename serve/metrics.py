@@ -119,6 +119,13 @@ _CONTROL_FAMILIES: tuple[tuple[str, type[Gauge] | type[Counter], str, str, tuple
         "Requests by tier and outcome: met, missed, shed",
         ("tier", "outcome"),
     ),
+    (
+        "arrivals",
+        Counter,
+        "control_arrivals",
+        "Requests the controller counted as arrivals, by tier (those the tenant's own limits let in)",
+        ("tier",),
+    ),
     ("mode", Gauge, "control_mode", "1 for the controller's current mode", ("mode",)),
     ("forecast", Gauge, "control_forecast_rps", "Arrivals/s forecast over the horizon", ()),
     ("capacity", Gauge, "control_capacity_rps", "Requests/s finished at full load", ()),
@@ -171,6 +178,7 @@ class ControlMetrics:
             views["goodput"],
             views["outcomes"],
         )
+        self.arrivals = views["arrivals"]
         self.mode, self.forecast, self.capacity = views["mode"], views["forecast"], views["capacity"]
         self.shed_from, self.shed_share = views["shed_from"], views["shed_share"]
         self.knobs, self.decisions = views["knobs"], views["decisions"]

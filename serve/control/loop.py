@@ -2,7 +2,8 @@
 hands the pure `Controller` an `Observation` of the engines (one per variant) and applies its `Decision`: the
 engines' knobs, which variant each tier runs on, which tiers the door refuses for now.
 
-The door (the HTTP routes, or a fleet gateway's) calls `arrived` for every request before anything else, then
+The door (the HTTP routes, or a fleet gateway's) calls `arrived` for every request its tenant's limits let in (a
+tenant's own 429s are not its tier's demand: counting them would let one tenant get its tier's peers shed), then
 `refusal` (a 429 while its tier is shed, `Retry-After` the forecast drain time), `variant_for` (its tier's route,
 or the variant it pinned), and when the request ends `finished` with its measured TTFT and TPOT (or `shed`).
 Without a controller (a static configuration) the loop still keeps the ledger and its metrics, so the static
@@ -74,6 +75,7 @@ class ControlLoop:
     def arrived(self, caller: Caller) -> None:
         with self._lock:
             self._arrivals[caller.tier] = self._arrivals.get(caller.tier, 0) + 1
+        self.metrics.arrivals.labels(caller.tier).inc()
 
     def refusal(self, caller: Caller) -> ApiError | None:
         """The 429 for a request whose tier is shed now (counted), else None. Of the shed tier only its share is

@@ -185,45 +185,50 @@ class Gateway:
         workers = await self.live_workers()
         model, pinned = _model_of(body.get("model"), workers)
         control = self.control.loop_for(model, workers)
-        control.arrived(caller)
-        refusal = control.refusal(caller)
-        if refusal is not None:
-            raise refusal
-        build = control.variant_for(caller, pinned).variant
-        serving = _serving(workers, model, build)
-        if await self.queue_depth(model) >= self.config.max_queue:
-            raise ApiError(
-                429,
-                f"the fleet queue for {model} is full; retry later",
-                code="queue_full",
-                kind="rate_limit_error",
-            )
-        request = P.FleetRequest(
-            request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-            model=model,
-            chat=chat,
-            body={k: v for k, v in body.items() if k != "model"},
-            seed=parsed.seed if parsed.seed is not None else P.new_seed(),
-            deadline=time.time() + self.config.request_timeout,
-            priority=parsed.priority,
-            session=_session(caller.tenant, parsed),
-            caller=caller.to_json(),
-            variant=serving[0].build,
-        )
-        headers = await self._admit(tenant, caller, request)
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        deadline = time.time() + self.config.request_timeout
+        headers = await self._admit(tenant, caller, request_id, deadline)
         try:
+            control.arrived(caller)
+            refusal = control.refusal(caller)
+            if refusal is not None:
+                raise refusal
+            build = control.variant_for(caller, pinned).variant
+            serving = _serving(workers, model, build)
+            if await self.queue_depth(model) >= self.config.max_queue:
+                raise ApiError(
+                    429,
+                    f"the fleet queue for {model} is full; retry later",
+                    code="queue_full",
+                    kind="rate_limit_error",
+                )
+            request = P.FleetRequest(
+                request_id=request_id,
+                model=model,
+                chat=chat,
+                body={k: v for k, v in body.items() if k != "model"},
+                seed=parsed.seed if parsed.seed is not None else P.new_seed(),
+                deadline=deadline,
+                priority=parsed.priority,
+                session=_session(caller.tenant, parsed),
+                caller=caller.to_json(),
+                variant=serving[0].build,
+            )
             await self.redis.xadd(self.route(request, serving), request.encode())
         except BaseException:
-            await self.admission.release(tenant, request.request_id)
+            await self.admission.release(tenant, request_id)
             raise
         self.queued(model)
         self.control.queued(request.variant, caller.tier, +1)
         return request, parsed, caller, {**headers, "x-qpack-variant": request.variant}
 
-    async def _admit(self, tenant: Tenant, caller: Caller, request: P.FleetRequest) -> dict[str, str]:
-        """The tenant's slot and request, decided in Redis (shared by every gateway); fails closed."""
+    async def _admit(
+        self, tenant: Tenant, caller: Caller, request_id: str, deadline: float
+    ) -> dict[str, str]:
+        """The tenant's slot and request, decided in Redis (shared by every gateway); fails closed. It comes
+        before the controller hears of the request: a tenant's own 429s are never arrivals of its tier."""
         try:
-            verdict = await self.admission.admit(tenant, request.request_id, request.deadline + 60)
+            verdict = await self.admission.admit(tenant, request_id, deadline + 60)
         except LimiterUnavailable as exc:
             self.metrics.redis_errors.inc()
             raise ApiError(

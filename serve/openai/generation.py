@@ -130,8 +130,9 @@ class Generation:
     # ------------------------------------------------------------------ before the engine
 
     async def _start(self, request: Request, chat: bool, tenant: Tenant) -> _Call:
-        """Parse, resolve the caller, ask the controller, take a ticket, tokenize, reserve and submit; _Refused
-        carries the answer when any of it says no."""
+        """Parse, resolve the caller, take a ticket (the tenant's limits), ask the controller, tokenize, reserve
+        and submit; _Refused carries the answer when any of it says no. Only a request its tenant's limits let in
+        is an arrival for the controller: a tenant's own 429s never raise its tier's forecast."""
         ticket: Ticket | None = None
         caller: Caller | None = None
         try:
@@ -140,13 +141,13 @@ class Generation:
             pinned = self.variants.pinned(body.get("model"))
             check_text_size(parsed, self.max_chars, self.variants.primary.engine.max_model_len)
             caller = self.tenants.current.caller(tenant, parsed.service_tier)
+            request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            ticket = self.door.admit(tenant, caller, request_id)
             self.control.arrived(caller)
             refusal = self.control.refusal(caller)
             if refusal is not None:
                 raise refusal
             served = self.variants[self.control.variant_for(caller, pinned).variant]
-            request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            ticket = self.door.admit(tenant, caller, request_id)
             ids, params, shared = await self._prompt(parsed, caller, served)
             self.door.reserve(ticket, len(ids), params.max_tokens)
             call = _Call(request_id, chat, parsed, caller, served, ticket, asyncio.Queue(), _Timing())
@@ -229,7 +230,10 @@ class Generation:
             )
         if final.finish_reason == "error":
             failed = ApiError(
-                500, "generating this request failed; see the server log", kind="server_error", code="engine_error"
+                500,
+                "generating this request failed; see the server log",
+                kind="server_error",
+                code="engine_error",
             )
             return error_response(failed)
         body = render.response(

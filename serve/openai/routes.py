@@ -382,4 +382,3 @@ class Sessions:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False)
-

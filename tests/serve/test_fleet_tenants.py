@@ -119,6 +119,15 @@ def _tiers(tiered_worker_engine: None) -> None:
     return None
 
 
+def arrivals(base: str, tier: str) -> float:
+    """The tier's arrivals the gateway's controllers counted, over all models."""
+    found = 0.0
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith("qpack_fleet_control_arrivals_total{") and f'tier="{tier}"' in line:
+            found += float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def test_limits_hold_across_two_gateways_sharing_one_redis(
     tiny_llama: Path, local_redis: LocalRedis, tenants: ServerInfo
 ) -> None:
@@ -138,6 +147,7 @@ def test_limits_hold_across_two_gateways_sharing_one_redis(
         )
         assert post(one, D, body, "completions").status_code == 429  # the other gateway agrees
         assert post(one, A, body, "completions").status_code == 200  # another tenant goes on
+        assert arrivals(one, "free") == 2 and arrivals(two, "free") == 2  # hooli's 429s are not demand
         client = redis.Redis.from_url(local_redis.url)
         client.delete("qpack:limit:hooli:requests")  # a fresh minute
         fleet_worker.engine.paused.set()  # hold hooli's one request in flight

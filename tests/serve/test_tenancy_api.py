@@ -152,6 +152,20 @@ def test_a_tenant_over_its_request_rate_gets_429_while_another_goes_on(served) -
     del engine
 
 
+def _arrivals(url: str, tier: str) -> float:
+    prefix = f'qpack_control_arrivals_total{{tier="{tier}"}} '
+    lines = [line for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith(prefix)]
+    return float(lines[0].removeprefix(prefix)) if lines else 0.0
+
+
+def test_only_requests_the_tenants_limits_let_in_are_arrivals_for_the_controller(served) -> None:
+    url, _engine = served
+    before = _arrivals(url, "free")
+    codes = [chat(url, D, HISTORY[:1], max_tokens=1).status_code for _ in range(6)]
+    assert 429 in codes
+    assert _arrivals(url, "free") - before == codes.count(200)
+
+
 def test_tokens_per_minute_max_tokens_and_concurrency(served) -> None:
     url, engine = served
     prompt = {"prompt": "Once upon a time", "temperature": 0, "ignore_eos": True}
