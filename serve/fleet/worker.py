@@ -2,8 +2,9 @@
 
 The worker pulls, never gets pushed: each loop it reads (XREADGROUP) at most as many new entries as its
 scheduler has room for, from its own stream (requests of sessions routed to it) and its model's shared stream.
-It validates and tokenizes each request exactly as `qpack serve` does (`serve.openai`), answers `accepted` (or an
-`error` with the HTTP status the gateway should return), and every output of the engine becomes a chunk on the
+It validates and tokenizes each request exactly as `qpack serve` does (`serve.openai`), on an intake pool of its own
+(never on the loop that reads Redis and beats the heart), answers `accepted` (or an `error` with the HTTP status the
+gateway should return), and every output of the engine becomes a chunk on the
 request's response stream, written by a sender thread so the engine thread never waits on the network. When a
 request is answered its entry is XACKed. A heartbeat hash (model, version, content hash, capacity, load) is
 refreshed every second with a short TTL; in-flight entries are re-claimed to this worker every few seconds
@@ -29,6 +30,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +107,7 @@ class FleetWorker:
         self._stopping = threading.Event()
         self.max_chars = engine.max_model_len * longest_token_chars(engine.tokenizer)
         self.forgets_seen = "-"  # the last entry of the fleet's `forgets` stream applied here
+        self.intake = ThreadPoolExecutor(max_workers=2, thread_name_prefix="qpack-fleet-intake")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -142,6 +145,7 @@ class FleetWorker:
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
         self._stopping.set()
+        self.intake.shutdown(wait=True, cancel_futures=True)
         self._chunks.put(None)
         engine_stop.set()
         self.engine.wake()
@@ -281,6 +285,9 @@ class FleetWorker:
             self.redis.hdel(P.WORKERS, stream.removeprefix(P.worker_stream("")))
 
     def _start(self, stream: str, entry_id: str, fields: P.Fields, attempt: int) -> None:
+        """Take one entry off a stream (the intake loop): a deletion is applied here, a request of another build
+        handed back, and a request of ours counted in flight at once and prepared on the intake pool, so that
+        parsing and tokenizing a hostile prompt never holds up heartbeats, claims or reading."""
         if b"forget" in fields or "forget" in fields:
             self._forget(stream, entry_id, fields)
             return
@@ -290,8 +297,6 @@ class FleetWorker:
             _log.warning("dropping a malformed fleet entry %s: %s", entry_id, exc)
             self.redis.xack(stream, P.GROUP, entry_id)
             return
-        if request.request_id in self.inflight:
-            return  # already ours (a claim racing our own read)
         wanted = request.variant or request.model
         if wanted != self.variant:  # adopted from a worker of another build: hand it back
             pipe = self.redis.pipeline(transaction=False)
@@ -300,8 +305,28 @@ class FleetWorker:
             pipe.xdel(stream, entry_id)
             pipe.execute()
             return
+        item = _InFlight(stream, entry_id, attempt)
+        with self._lock:
+            if request.request_id in self.inflight:
+                return  # already ours (a claim racing our own read)
+            self.inflight[request.request_id] = item
+        self.intake.submit(self._prepared, request, item, attempt)
+
+    def _prepared(self, request: P.FleetRequest, item: _InFlight, attempt: int) -> None:
+        """A request taken in, on the intake pool: continue a previous attempt's answer, validate, tokenize,
+        reserve and queue it, and say `accepted` (or answer the error). Anything unexpected (Redis gone) leaves
+        the entry pending, for a claim to retry."""
+        try:
+            self._accept(request, item, attempt)
+        except Exception as exc:
+            with self._lock:
+                if self.inflight.get(request.request_id) is item:
+                    del self.inflight[request.request_id]
+            _log.warning("fleet worker: could not take %s (%s); left for a retry", request.request_id, exc)
+
+    def _accept(self, request: P.FleetRequest, item: _InFlight, attempt: int) -> None:
         chain = self._chain(request.request_id) if attempt > 1 else P.Chain()
-        item = _InFlight(stream, entry_id, chain.attempt + 1)
+        item.attempt = chain.attempt + 1
         try:
             headers = self._admit(request, item, chain)
         except ApiError as error:
@@ -312,7 +337,7 @@ class FleetWorker:
             )
             self._reply(request.request_id, failed, item)
             return
-        if headers is None:  # nothing left to generate
+        if headers is None:  # nothing left to generate, or cancelled while it was prepared
             return
         self._send(
             request.request_id,
@@ -395,9 +420,10 @@ class FleetWorker:
             if params.max_tokens < 1:
                 self._finish_resumed(request, item, chain, len(ids))
                 return None
-        headers = self._reserve(item, params.max_tokens) if chain.tokens < 0 else {}
         with self._lock:
-            self.inflight[request.request_id] = item
+            if self.inflight.get(request.request_id) is not item:
+                return None  # cancelled while it was prepared
+        headers = self._reserve(item, params.max_tokens) if chain.tokens < 0 else {}
         try:
             with engine_refusals("worker"):
                 self.engine.add(
@@ -416,6 +442,11 @@ class FleetWorker:
         except ApiError:
             self._give_back(item)
             raise
+        with self._lock:
+            cancelled = self.inflight.get(request.request_id) is not item
+        if cancelled:  # while it was queued: the cancel's abort came before the engine had it
+            self.engine.abort(request.request_id)
+            return None
         return headers
 
     @staticmethod

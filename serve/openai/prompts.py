@@ -5,6 +5,7 @@ Tokenizing is the one step whose cost a client controls before any limit applies
 token of this vocabulary stands for at most `longest_token_chars` characters (its longest token string: byte-level
 BPE and SentencePiece tokens cover no more text than their own string), so a prompt longer than
 `max_model_len` times that cannot fit the context whatever it tokenizes to, and is refused without tokenizing.
+A chat request's messages count too (each at least one token), and there are at most `MAX_MESSAGES` of them.
 """
 
 from __future__ import annotations
@@ -22,13 +23,21 @@ def longest_token_chars(tokenizer: Any) -> int:
 
 
 def check_text_size(request: GenerationRequest, max_chars: int, max_model_len: int) -> None:
-    """400 at once for a prompt that cannot fit the context at the most characters a token can cover."""
-    chars = request.text_chars
+    """400 at once for a prompt that cannot fit the context at the most characters a token can cover. Each chat
+    message also counts as one token's worth of characters: a chat template gives every message at least one
+    token of its own (its role marker), so a flood of empty messages is as costly as the text it stands for."""
+    per_message = max(1, max_chars // max(1, max_model_len))
+    chars = request.text_chars + request.message_count * per_message
     if chars > max_chars:
+        counted = (
+            f" ({request.message_count:,} messages at {per_message:,} each included)"
+            if request.message_count
+            else ""
+        )
         raise ApiError(
             400,
-            f"the prompt is {chars:,} characters; it cannot fit the model context of {max_model_len:,} tokens "
-            f"(at most {max_chars:,} characters); shorten it",
+            f"the prompt is {chars:,} characters{counted}; it cannot fit the model context of "
+            f"{max_model_len:,} tokens (at most {max_chars:,} characters); shorten it",
             "messages" if request.chat else "prompt",
             "context_length_exceeded",
         )

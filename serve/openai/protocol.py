@@ -43,6 +43,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 ROLES = ("system", "user", "assistant", "developer")
 MAX_MODEL_CHARS = 256
 MAX_SHOWN = 8  # bad messages named in one 400
+MAX_MESSAGES = 2048  # messages in one chat request, as OpenAI's API allows
 
 
 class ApiError(Exception):
@@ -85,6 +86,10 @@ class GenerationRequest:
     user: str | None = None
     session_id: str | None = None
     service_tier: str | None = None  # asked for; the tier it runs at is its tenant's or a lower one
+
+    @property
+    def message_count(self) -> int:
+        return len(self.messages) if self.messages is not None else 0
 
     @property
     def text_chars(self) -> int:
@@ -262,6 +267,13 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         raise ApiError(
             400,
             f"'messages' must be a non-empty list of {{role, content}} objects (got {_shown(messages)})",
+            "messages",
+        )
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(
+            400,
+            f"'messages' holds {len(messages):,} messages; at most {MAX_MESSAGES:,} are accepted: drop or join "
+            "the oldest",
             "messages",
         )
     clean, problems = [], []

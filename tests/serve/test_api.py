@@ -299,6 +299,12 @@ def test_prompts_that_cannot_fit_are_refused_untokenized_and_tokenizing_is_off_t
         assert huge.status_code == 400 and "cannot fit the model context" in huge.json()["error"]["message"]
         chat = {"messages": [{"role": "user", "content": "x" * 500_000}]}
         assert httpx.post(f"{url}/v1/chat/completions", json=chat).status_code == 400
+        empty = {"role": "user", "content": ""}
+        flood = httpx.post(f"{url}/v1/chat/completions", json={"messages": [empty] * 125_000})
+        assert flood.status_code == 400 and "at most 2,048 are accepted" in flood.json()["error"]["message"]
+        fits_the_cap = httpx.post(f"{url}/v1/chat/completions", json={"messages": [empty] * 2048})
+        assert fits_the_cap.status_code == 400, fits_the_cap.text  # 2,048 messages: more than the context
+        assert "2,048 messages at" in fits_the_cap.json()["error"]["message"]
         assert len(threads) == calls  # refused before any tokenizing
 
 

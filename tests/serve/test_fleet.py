@@ -3,6 +3,7 @@ process and as killed subprocesses, answers compared with the single-process ser
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -175,6 +176,54 @@ def test_sessions_stick_to_a_worker_and_models_route_apart(
         missing = httpx.post(f"{base}/v1/completions", json={"model": "nope", "prompt": "x"})
         assert missing.status_code == 503 and missing.headers["retry-after"] == "1"
         assert "tiny" in missing.json()["error"]["message"]
+
+
+def test_a_slow_prompt_is_prepared_off_the_intake_loop(
+    tiny_llama: Path, local_redis: LocalRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One tenant's prompt that takes the tokenizer long (held here on an event) must not stop the worker's
+    heartbeat, nor its reading of other requests."""
+    import serve.fleet.worker as worker_module
+
+    real, held, release = worker_module.prompt_ids, threading.Event(), threading.Event()
+
+    def slow_prompt_ids(request, tokenizer, vocab_size):
+        if request.prompt == "a very slow prompt":
+            held.set()
+            release.wait(30)
+        return real(request, tokenizer, vocab_size)
+
+    monkeypatch.setattr(worker_module, "prompt_ids", slow_prompt_ids)
+    with (
+        worker(tiny_llama, local_redis.url, heartbeat_s=0.2) as fleet_worker,
+        gateway(local_redis.url) as base,
+    ):
+        wait_for(lambda: live_workers(base) == 1, what="the worker's heartbeat")
+        client = redis.Redis.from_url(local_redis.url)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                slow = pool.submit(
+                    httpx.post,
+                    f"{base}/v1/completions",
+                    json={"prompt": "a very slow prompt", "max_tokens": 2},
+                    timeout=60,
+                )
+                assert held.wait(30)
+                beat = float(client.hget(P.worker_key(fleet_worker.config.worker_id), "last_seen") or 0)
+                quick = httpx.post(f"{base}/v1/completions", json={**STORY, "max_tokens": 2}, timeout=30)
+                assert quick.status_code == 200, quick.text
+                wait_for(
+                    lambda: (
+                        float(client.hget(P.worker_key(fleet_worker.config.worker_id), "last_seen") or 0)
+                        > beat
+                    ),
+                    timeout=5,
+                    what="a heartbeat while a prompt is being tokenized",
+                )
+                release.set()
+                assert slow.result().status_code == 200
+        finally:
+            release.set()
 
 
 def test_the_ring_moves_only_the_sessions_of_a_worker_that_leaves() -> None:
