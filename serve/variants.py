@@ -66,6 +66,14 @@ class Variants:
     def __len__(self) -> int:
         return len(self.served)
 
+    @property
+    def model_names(self) -> list[str]:
+        """Every `model` a request may name here: the model's and each variant's, bare or with its version."""
+        names = [self.model, f"{self.model}:{self.version}"]
+        for served in self.served:
+            names += [served.name, f"{served.name}:{served.version}"]
+        return list(dict.fromkeys(names))
+
     def pinned(self, model: object) -> str | None:
         """The variant a request's `model` pins (None: the model's name, or no `model`: the router decides);
         404 for a name served nowhere here."""

@@ -39,7 +39,7 @@ from serve.fleet import protocol as P
 from serve.fleet.control import FleetControl
 from serve.fleet.reader import ReaderClosed, ResponseReader
 from serve.metrics import ControlMetrics, TenantMetrics, TenantUsage
-from serve.openai import render
+from serve.openai import render, schema
 from serve.openai.answers import Piece, disconnected, sse_events
 from serve.openai.errors import internal_error
 from serve.openai.protocol import ApiError, GenerationRequest, parse_json, parse_request, session_label
@@ -419,29 +419,30 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
     app.add_middleware(Guard, info=info, draining=lambda: state["draining"])
     app.add_exception_handler(Exception, internal_error)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=schema.generation(chat=False))
     async def completions(request: Request) -> Response:
         return await _respond(gateway, request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=schema.generation(chat=True))
     async def chat_completions(request: Request) -> Response:
         return await _respond(gateway, request, chat=True)
 
-    @app.delete("/v1/sessions/{session_id}")
-    async def delete_session(request: Request, session_id: str, user: str | None = None) -> Response:
+    @app.delete("/v1/sessions/{session_id}", openapi_extra=schema.sessions(one=True))
+    async def delete_session(request: Request) -> Response:
         """A privacy request, passed to every live worker (each holds its own sessions' KV), scoped to the
         caller's tenant: another tenant's session is a 404, like one that never existed."""
+        user, session_id = request.query_params.get("user"), request.path_params["session_id"]
         return await _forget(gateway, request.state.tenant, user, session_id)
 
-    @app.delete("/v1/sessions")
-    async def delete_user_sessions(request: Request, user: str | None = None) -> Response:
-        return await _forget(gateway, request.state.tenant, user, None)
+    @app.delete("/v1/sessions", openapi_extra=schema.sessions(one=False))
+    async def delete_user_sessions(request: Request) -> Response:
+        return await _forget(gateway, request.state.tenant, request.query_params.get("user"), None)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=schema.models())
     async def models() -> dict[str, Any]:
         return _models(await gateway.live_workers())
 
-    @app.get("/health")
+    @app.get("/health", openapi_extra=schema.health())
     async def health() -> Response:
         try:
             await gateway.redis.ping()
@@ -454,7 +455,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
             )
         return JSONResponse({"status": "ok", "workers": len(workers)})
 
-    @app.get("/metrics")
+    @app.get("/metrics", openapi_extra=schema.metrics())
     async def metrics() -> Response:
         for model in {w.model for w in await gateway.live_workers()}:
             gateway.metrics.workers.labels(model=model).set(

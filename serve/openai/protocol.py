@@ -9,11 +9,12 @@ OpenAI shape (`{"error": {"message", "type", "param", "code"}}`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from serve.openai.jsonbody import BodyRejected, load
+from serve.openai.jsonbody import MAX_INT_DIGITS, BodyRejected, load
 from serve.request import SamplingParams
 from serve.tenancy.tenants import REQUESTED_SERVICE_TIERS
 
@@ -21,25 +22,60 @@ _T = TypeVar("_T")
 _NO_STOPS: tuple[str, ...] = ()
 
 
-def _one(value: Any) -> bool:
-    return value is None or (type(value) is int and value == 1)
+def same_json(value: Any, accepted: Any) -> bool:
+    """Equal as JSON values are (and as JSON Schema's `enum` compares them): a boolean is never a number, 1 and
+    1.0 are the same number, and objects and arrays compare member by member."""
+    if isinstance(value, bool) or isinstance(accepted, bool):
+        return type(value) is type(accepted) and value == accepted
+    if isinstance(value, (int, float)) and isinstance(accepted, (int, float)):
+        return value == accepted
+    if isinstance(value, dict) and isinstance(accepted, dict):
+        return value.keys() == accepted.keys() and all(same_json(value[k], accepted[k]) for k in value)
+    if isinstance(value, list) and isinstance(accepted, list):
+        return len(value) == len(accepted) and all(
+            same_json(a, b) for a, b in zip(value, accepted, strict=True)
+        )
+    return type(value) is type(accepted) and value == accepted
 
 
-# Options that would change the result if ignored: (refused when, what may be sent instead)
-UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: not _one(v), " or send 1"),
-    "best_of": (lambda v: not _one(v), " or send 1"),
-    "logprobs": (lambda v: v not in (None, False, 0), " or send false"),
-    "top_logprobs": (lambda v: v not in (None, 0), " or send 0"),
-    "echo": (lambda v: v not in (None, False), " or send false"),
-    "suffix": (lambda v: v is not None, ""),
-    "logit_bias": (bool, " or send {}"),
-    "presence_penalty": (lambda v: v not in (None, 0, 0.0), " or send 0"),
-    "frequency_penalty": (lambda v: v not in (None, 0, 0.0), " or send 0"),
-    "tools": (bool, " or send []"),
-    "functions": (bool, " or send []"),
-    "response_format": (lambda v: v not in (None, {"type": "text"}), ' or send {"type": "text"}'),
+LARGEST_INT = 10**MAX_INT_DIGITS - 1  # the longest integer literal a body may hold (`jsonbody`)
+
+
+def integral(value: Any) -> int | None:
+    """An integer as JSON (and JSON Schema's `integer`) means it: 7 or 7.0, never true or 7.5; and no larger than
+    the longest integer literal a body may hold (1e300 is an integer, but one no field here can use)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not value.is_integer():
+        return None
+    return int(value) if abs(value) <= LARGEST_INT else None
+
+
+# Options that would change the result if ignored: the values accepted (those that ask for what this server does
+# anyway), and what a 400 suggests sending instead
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((None, 1), " or send 1"),
+    "best_of": ((None, 1), " or send 1"),
+    "logprobs": ((None, False, 0), " or send false"),
+    "top_logprobs": ((None, 0), " or send 0"),
+    "echo": ((None, False), " or send false"),
+    "suffix": ((None,), ""),
+    "logit_bias": ((None, {}), " or send {}"),
+    "presence_penalty": ((None, 0), " or send 0"),
+    "frequency_penalty": ((None, 0), " or send 0"),
+    "tools": ((None, []), " or send []"),
+    "functions": ((None, []), " or send []"),
+    "response_format": ((None, {"type": "text"}), ' or send {"type": "text"}'),
 }
+TEMPERATURE = (0.0, 2.0)
+TOP_P = (1e-6, 1.0)
+TOP_K = (-1, 1_000_000)  # -1 (or 0) for no top-k
+PRIORITY = (-1_000_000, 1_000_000)
+MAX_STOPS = 16
+MAX_LABEL_CHARS = 256  # `user`, `session_id`, `cache_salt`
+# `user` and `session_id`: any text but control characters and line breaks, as JSON Schema's `pattern` can say it
+LABEL_PATTERN = f"^[^\\u0000-\\u001f\\u007f-\\u009f\\u2028\\u2029]{{1,{MAX_LABEL_CHARS}}}$"
+_LABEL = re.compile(LABEL_PATTERN[1:-1])
 ROLES = ("system", "user", "assistant", "developer")
 MAX_MODEL_CHARS = 256
 MAX_SHOWN = 8  # bad messages named in one 400
@@ -121,29 +157,31 @@ def parse_request(body: dict[str, Any], chat: bool) -> GenerationRequest:
     problems = _Problems()
     prompt = None if chat else problems.take(lambda: _prompt(body), None)
     messages = problems.take(lambda: _messages(body), None) if chat else None
-    for key, (bad, accepted) in UNSUPPORTED.items():
-        if key in body and bad(body[key]):
+    for key, (accepted, instead) in UNSUPPORTED.items():
+        if key in body and not any(same_json(body[key], value) for value in accepted):
             problems.add(
-                f"'{key}' is not supported by this server (got {_shown(body[key])}); leave it out{accepted}",
+                f"'{key}' is not supported by this server (got {_shown(body[key])}); leave it out{instead}",
                 key,
                 "unsupported_parameter",
             )
     problems.take(lambda: _model(body), None)
-    max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    top_k = problems.take(lambda: _number(body, "top_k", 0, -1, 1_000_000, integer=True), 0)
+    max_key = (
+        "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    if max_key != "max_tokens":
+        problems.take(lambda: _max_tokens(body, "max_tokens"), None)
+    top_k = problems.take(lambda: _number(body, "top_k", 0, *TOP_K, integer=True), 0)
     fields: dict[str, Any] = {
         "max_tokens": problems.take(lambda: _max_tokens(body, max_key), None),
-        "temperature": problems.take(lambda: float(_number(body, "temperature", 1.0, 0.0, 2.0)), 1.0),
-        "top_p": problems.take(lambda: float(_number(body, "top_p", 1.0, 1e-6, 1.0)), 1.0),
+        "temperature": problems.take(lambda: float(_number(body, "temperature", 1.0, *TEMPERATURE)), 1.0),
+        "top_p": problems.take(lambda: float(_number(body, "top_p", 1.0, *TOP_P)), 1.0),
         "top_k": 0 if top_k == -1 else top_k,
         "seed": problems.take(lambda: _seed(body), None),
         "stop": problems.take(lambda: _stops(body), _NO_STOPS),
         "ignore_eos": problems.take(lambda: _flag(body, "ignore_eos"), False),
         "stream": problems.take(lambda: _flag(body, "stream"), False),
         "include_usage": problems.take(lambda: _include_usage(body), False),
-        "priority": problems.take(
-            lambda: int(_number(body, "priority", 0, -1_000_000, 1_000_000, integer=True)), 0
-        ),
+        "priority": problems.take(lambda: int(_number(body, "priority", 0, *PRIORITY, integer=True)), 0),
         "cache_salt": problems.take(lambda: _cache_salt(body), None),
         "user": problems.take(lambda: _label(body, "user"), None),
         "session_id": problems.take(lambda: _label(body, "session_id"), None),
@@ -248,14 +286,13 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
         if not prompt:
             raise ApiError(400, "'prompt' must not be empty", "prompt")
         return _text(prompt, "prompt", "prompt")
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        return list(prompt)
+    ids = [integral(t) for t in prompt] if isinstance(prompt, list) else []
+    if ids and all(t is not None and t >= 0 for t in ids):
+        return [t for t in ids if t is not None]
     raise ApiError(
-        400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt"
+        400,
+        "'prompt' must be a non-empty string or a list of token ids, integers from 0 (one prompt per request)",
+        "prompt",
     )
 
 
@@ -333,6 +370,7 @@ def _number(
     value = body.get(key, default)
     if value is None:
         return default
+    value = integral(value) if integer and integral(value) is not None else value
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         kind = "an integer" if integer else "a number"
@@ -343,14 +381,15 @@ def _number(
 
 
 def _max_tokens(body: dict[str, Any], max_key: str) -> int | None:
-    raw = body.get(max_key, body.get("max_tokens"))
+    raw = body.get(max_key)
     if raw is None:
         return None
-    if isinstance(raw, bool) or not isinstance(raw, int):
+    tokens = integral(raw)
+    if tokens is None:
         raise ApiError(400, f"'{max_key}' must be an integer (got {_shown(raw)})", max_key)
-    if raw <= 0:
-        raise ApiError(400, f"'{max_key}' must be at least 1 (got {raw})", max_key)
-    return raw
+    if tokens <= 0:
+        raise ApiError(400, f"'{max_key}' must be at least 1 (got {tokens})", max_key)
+    return tokens
 
 
 def _stops(body: dict[str, Any]) -> tuple[str, ...]:
@@ -359,9 +398,11 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
         return ()
     if isinstance(stop, str):
         return (_text(stop, "stop", "stop"),) if stop else ()
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOPS:
         return tuple(_text(s, "stop", "stop") for s in stop if s)
-    raise ApiError(400, f"'stop' must be a string or a list of up to 16 strings (got {_shown(stop)})", "stop")
+    raise ApiError(
+        400, f"'stop' must be a string or a list of up to {MAX_STOPS} strings (got {_shown(stop)})", "stop"
+    )
 
 
 def session_label(user: str | None, session_id: str | None) -> tuple[str | None, str | None]:
@@ -377,9 +418,12 @@ def _label(body: dict[str, Any], key: str) -> str | None:
     value = body.get(key)
     if value is None:
         return None
-    if not isinstance(value, str) or not 0 < len(value) <= 256 or not value.isprintable():
+    if not isinstance(value, str) or not _LABEL.fullmatch(value):
         raise ApiError(
-            400, f"'{key}' must be a printable string of 1 to 256 characters (got {_shown(value)})", key
+            400,
+            f"'{key}' must be a string of 1 to {MAX_LABEL_CHARS} characters without control characters or line "
+            f"breaks (got {_shown(value)})",
+            key,
         )
     return _text(value, key, key)
 
@@ -401,16 +445,20 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
     salt = body.get("cache_salt")
     if salt is None:
         return None
-    if not isinstance(salt, str) or not salt or len(salt) > 256:
-        raise ApiError(400, "'cache_salt' must be a non-empty string of at most 256 characters", "cache_salt")
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_LABEL_CHARS:
+        raise ApiError(
+            400,
+            f"'cache_salt' must be a non-empty string of at most {MAX_LABEL_CHARS} characters",
+            "cache_salt",
+        )
     return _text(salt, "cache_salt", "cache_salt")
 
 
 def _seed(body: dict[str, Any]) -> int | None:
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+    if seed is not None and integral(seed) is None:
         raise ApiError(400, f"'seed' must be an integer (got {_shown(seed)})", "seed")
-    return seed
+    return integral(seed)
 
 
 def _model(body: dict[str, Any]) -> str | None:

@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -52,6 +53,7 @@ from serve.control.loop import ControlLoop, policies
 from serve.engine import Engine
 from serve.metrics import ControlMetrics, Labelled, TenantMetrics
 from serve.metrics import render as render_metrics
+from serve.openai import schema
 from serve.openai.errors import error_response, internal_error, session_not_found
 from serve.openai.generation import Generation
 from serve.openai.protocol import ApiError, session_label
@@ -93,7 +95,14 @@ def docs_served(host: str, keyed: bool) -> bool:
 
 def fastapi_app(title: str, info: ServerInfo, **kwargs: Any) -> FastAPI:
     """The FastAPI app of a server, with its docs routes only where `info.docs` allows them."""
-    return FastAPI(title=title, **kwargs, **({} if info.docs else NO_DOCS))
+    app = FastAPI(title=title, **kwargs, **({} if info.docs else NO_DOCS))
+    described = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        return schema.add_security(described())
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
 
 
 class BodyTooLarge(ApiError):
@@ -210,33 +219,42 @@ def create_app(target: Engine | Variants, info: ServerInfo) -> FastAPI:
     app.add_middleware(Guard, info=info, draining=lambda: bool(state["draining"]))
     app.add_exception_handler(Exception, internal_error)
 
-    @app.post("/v1/completions")
+    primary = variants.primary.engine
+    shape = partial(
+        schema.generation,
+        vocab_size=primary.vocab_size,
+        max_model_len=primary.max_model_len,
+        models=variants.model_names,
+    )
+
+    @app.post("/v1/completions", openapi_extra=shape(chat=False))
     async def completions(request: Request) -> Response:
         return await generation.respond(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=shape(chat=True))
     async def chat_completions(request: Request) -> Response:
         return await generation.respond(request, chat=True)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=schema.models())
     async def models() -> dict[str, Any]:
         return _models(variants, info)
 
     sessions = Sessions(engines, info.tenants, generation.door)
     state["sessions"] = sessions
 
-    @app.delete("/v1/sessions/{session_id}")
-    async def delete_session(request: Request, session_id: str, user: str | None = None) -> Response:
+    @app.delete("/v1/sessions/{session_id}", openapi_extra=schema.sessions(one=True))
+    async def delete_session(request: Request) -> Response:
         """A privacy request: the session's stored KV leaves every tier (and the pool's prefix cache) of every
         variant. Only the caller's tenant's sessions are seen: another tenant's session is a 404, like one that
         never existed."""
+        user, session_id = request.query_params.get("user"), request.path_params["session_id"]
         return await sessions.forget(request.state.tenant, user, session_id)
 
-    @app.delete("/v1/sessions")
-    async def delete_user_sessions(request: Request, user: str | None = None) -> Response:
-        return await sessions.forget(request.state.tenant, user, None)
+    @app.delete("/v1/sessions", openapi_extra=schema.sessions(one=False))
+    async def delete_user_sessions(request: Request) -> Response:
+        return await sessions.forget(request.state.tenant, request.query_params.get("user"), None)
 
-    @app.get("/health")
+    @app.get("/health", openapi_extra=schema.health())
     async def health() -> Response:
         if state["draining"]:
             return JSONResponse({"status": "draining"}, status_code=503)
@@ -244,7 +262,7 @@ def create_app(target: Engine | Variants, info: ServerInfo) -> FastAPI:
         waiting = sum(e.scheduler.num_waiting for e in engines)
         return JSONResponse({"status": "ok", "running": running, "waiting": waiting})
 
-    @app.get("/metrics")
+    @app.get("/metrics", openapi_extra=schema.metrics())
     async def metrics() -> Response:
         return Response(_metrics(registry, variants), media_type="text/plain; version=0.0.4")
 

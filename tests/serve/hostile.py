@@ -139,7 +139,7 @@ def _mutated(body: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
     return {**body, key: value}
 
 
-def _with_random_field(bodies: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+def with_random_field(bodies: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
     keys = st.sampled_from(
         ["messages", "prompt", "max_tokens", "temperature", "stop", "user", "x"]
     ) | st.text(max_size=10)
@@ -215,7 +215,7 @@ def _generation(path: str) -> st.SearchStrategy[Call]:
     bodies = chat_bodies if path.endswith("chat/completions") else completion_bodies
     payload = st.one_of(
         bodies.map(_json_bytes),
-        _with_random_field(bodies).map(_json_bytes),
+        with_random_field(bodies).map(_json_bytes),
         json_values.map(_json_bytes),
         raw_bodies,
     )

@@ -101,3 +101,53 @@ def test_context_limits_and_model_names() -> None:
     for raw in (b"{nope", b"[1]", b"\xff"):
         with pytest.raises(ApiError):
             parse_json(raw)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "read"),
+    [("max_tokens", 7.0, 7), ("seed", -3.0, -3), ("top_k", 5.0, 5), ("priority", 2.0, 2)],
+)
+def test_an_integer_written_with_a_zero_fraction_is_that_integer(field: str, value: float, read: int) -> None:
+    """As JSON Schema's `integer` reads it (the published schema and the parser agree: tests/serve/test_schema)."""
+    assert getattr(parse_request({"prompt": "hi", field: value}, chat=False), field) == read
+    assert parse_request({"prompt": [3.0, 0]}, chat=False).prompt == [3, 0]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "hi", "max_tokens": 7.5},
+        {"prompt": "hi", "max_tokens": True},
+        {"prompt": "hi", "max_tokens": 1e300},
+        {"prompt": "hi", "seed": 1e300},
+        {"prompt": [-1]},
+        {"prompt": "hi", "presence_penalty": False},
+        {"prompt": "hi", "logit_bias": 0},
+        {"prompt": "hi", "n": True},
+        {"prompt": "hi", "user": "two\nlines"},
+        {"prompt": "hi", "session_id": "a\u0085b"},
+    ],
+)
+def test_what_only_looks_like_an_accepted_value_is_a_400(body: dict[str, object]) -> None:
+    with pytest.raises(ApiError) as refused:
+        parse_request(body, chat=False)
+    assert refused.value.status == 400
+
+
+def test_accepted_values_compare_as_json_does() -> None:
+    body = {
+        "prompt": "hi",
+        "n": 1.0,
+        "presence_penalty": 0.0,
+        "logprobs": 0,
+        "response_format": {"type": "text"},
+    }
+    assert parse_request({**body, "user": "Zoë 🐕"}, chat=False).user == "Zoë 🐕"
+
+
+def test_both_max_token_fields_of_a_chat_body_are_checked() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "max_tokens": "x"}
+    with pytest.raises(ApiError, match="'max_tokens' must be an integer"):
+        parse_request(body, chat=True)
+    body = {**body, "max_completion_tokens": None, "max_tokens": 4}
+    assert parse_request(body, chat=True).max_tokens == 4
