@@ -183,11 +183,9 @@ class Call:
 
 
 header_values = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40).map(str.strip)
-auth = st.sampled_from(
+VALID_AUTH = {"Authorization": f"Bearer {KEY_B}"}
+wrong_auth = st.sampled_from(
     [
-        {"Authorization": f"Bearer {KEY_B}"},
-        {"Authorization": f"Bearer {KEY_B}"},
-        {"Authorization": f"Bearer {KEY_B}"},
         {"Authorization": f"bearer {KEY_B}"},
         {"Authorization": f"Basic {KEY_B}"},
         {"Authorization": "Bearer"},
@@ -195,6 +193,8 @@ auth = st.sampled_from(
         {},
     ]
 ) | header_values.map(lambda v: {"Authorization": f"Bearer {v}".strip()})
+# Four calls in five carry B's key, so that most reach the parser and the engine; the rest probe the key check
+auth = st.integers(0, 4).flatmap(lambda i: wrong_auth if i == 4 else st.just(VALID_AUTH))
 extra_headers = st.fixed_dictionaries(
     {},
     optional={
