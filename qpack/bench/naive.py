@@ -21,6 +21,8 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from serve.request import GREEDY_TEMPERATURE
+
 
 class NaiveGenerator:
     """One `generate` call per request, one request at a time (the lock), streamed or whole."""
@@ -48,10 +50,10 @@ class NaiveGenerator:
             "input_ids": torch.tensor([ids]),
             "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
             "max_new_tokens": max_new,
-            "do_sample": temperature > 0,
+            "do_sample": temperature >= GREEDY_TEMPERATURE,
             "pad_token_id": pad if pad is not None else 0,
         }
-        if temperature > 0:
+        if temperature >= GREEDY_TEMPERATURE:
             kwargs.update(temperature=temperature, top_p=float(body.get("top_p", 1.0)))
         if body.get("ignore_eos"):
             kwargs.update(min_new_tokens=max_new, eos_token_id=None)
