@@ -2,7 +2,7 @@
 -1000000`, in tenant A's tier, and A sends one short greedy request at a time. A's time to its answer is compared
 with the same request on the idle server, measured in the same run. Target: at most 3x.
 
-    python benchmarks/fair_share.py [MODEL_OR_ARTIFACT] [--out runs/fair-share.json] [--server "CMD ..."]
+    python benchmarks/fair_share.py [MODEL_OR_ARTIFACT] [--out runs/fair-share.json] [--baseline-server "CMD ..."]
 
 `--baseline-server` names another command that starts a server the same way, to measure what the fix changed
 in the same run: an older checkout's, e.g. `env PYTHONPATH=../old python -P -m qpack serve` (`-P`: the current
@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from qpack.bench.serving import ServerProcess
 
 TENANTS = """\
 [tenants.acme]
@@ -62,25 +61,11 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def start(command: list[str], port: int, tenants: Path) -> subprocess.Popen[str]:
+def start(command: list[str], port: int, tenants: Path) -> ServerProcess:
     full = [*command, "--port", str(port), "--tenants", str(tenants), "--max-num-seqs", "8"]
-    proc = subprocess.Popen(
-        full,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the server did not start: {proc.stderr.read() if proc.stderr else ''}")
-        time.sleep(0.3)
+    server = ServerProcess(full, port, command[-1])
+    server.wait_ready()
+    return server
 
 
 def timed_a(client: httpx.Client, url: str, patience: float) -> float:
@@ -167,17 +152,11 @@ def main() -> None:
         tenants = Path(tmp) / "tenants.toml"
         tenants.write_text(TENANTS)
         for name, command in servers.items():
-            proc = start(command, args.port, tenants)
+            server = start(command, args.port, tenants)
             try:
-                results[name] = measure(
-                    f"http://127.0.0.1:{args.port}", args.backlog, args.runs, args.patience
-                )
+                results[name] = measure(server.url, args.backlog, args.runs, args.patience)
             finally:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                server.stop()
             print(name, json.dumps(results[name]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")

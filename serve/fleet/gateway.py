@@ -308,17 +308,7 @@ class Gateway:
         and the x-ratelimit-* headers, or ApiError 429 (503 when Redis cannot be asked)."""
         caller = self.config.info.tenants.current.caller(tenant, None)
         request_id = f"del-{uuid.uuid4().hex}"
-        try:
-            verdict = await self.admission.admit(tenant, request_id, time.time() + 60)
-        except LimiterUnavailable as exc:
-            self.metrics.redis_errors.inc()
-            raise ApiError(
-                503, "rate limits cannot be checked (Redis unreachable); retry", kind="unavailable"
-            ) from exc
-        if not verdict.allowed:
-            self.metrics.tenants.rate_limited.labels(caller.tenant, caller.tier, verdict.limit or "").inc()
-            raise refusal(verdict, caller.tenant)
-        return request_id, verdict.headers
+        return request_id, await self._admit(tenant, caller, request_id, time.time())
 
     async def _answers(self, reply: str, expected: int, wait: float) -> list[int]:
         """The blocks each worker reports on `reply`, until all `expected` answered or `wait` passed."""
