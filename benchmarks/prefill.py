@@ -1,18 +1,25 @@
 """Prompt-sized products of one linear layer, per shape and per kernel build, in one run: qpack's native int8 and
 int4 kernels (the activation rounded to int16 per row; int8 as a packed-panel GEMM, and on AMX tiles where the CPU
-has them, all bit-identical to decode) against torch's FP32 `F.linear` on an FP32 weight (oneDNN/MKL) and the path
-the modules took for prompts before (dequantize into a scratch buffer, then that GEMM).
+has them, int4 as a GEMM over the packed nibbles, all bit-identical to decode) against torch's FP32 `F.linear` on an
+FP32 weight (oneDNN/MKL) and the path the modules took for prompts before (dequantize into a scratch buffer, then
+that GEMM).
+
+Each build's ceilings are measured first, in the same run (`kernels.peak_rate`): the int16-pair multiply-add
+(`vpmaddwd` on AVX2, `vpdpwssd` on AVX-512) and the float32 FMA, each issued in 12 independent chains per
+thread on every thread, so that nothing but the core's issue rate bounds them. A GEMM's efficiency is its
+multiply-adds per second over the int16 ceiling (`int16 peak %`).
 
 Shapes: SmolLM2-135M's projections (fused q/k/v and gate/up, as the runtime fuses them) and Llama-3-8B's widths.
 Every build this CPU can execute is measured (`kernels.forced`: AVX2 on an AVX-512 machine too). Each number is
 the median of `--repeats` timed calls after a warm-up, as GOP/s (2 M N K per call).
 
-With `--artifact DIR` it also times a whole prompt's forward (`--rows` tokens, the model's own tokens cycled), in
-one process, alternating, median of `--repeats`: the int8 artifact on the native prompt GEMM (on AMX tiles where
-the CPU has them, and then also without), the same artifact with prompts as dequantize + float32 GEMM (the path
-before it), and the FP32 model it was built from.
+With `--artifact DIR` (repeatable: an int8 and an int4 artifact of one model) it also times a whole prompt's
+forward (`--rows` tokens, the model's own tokens cycled), in one process, alternating, median of `--repeats`: each
+artifact on the native prompt GEMMs (on AMX tiles where the CPU has them, and then also without), the same
+artifact with prompts as dequantize + float32 GEMM (the path before), and the FP32 model they were built from.
+This is the path `qpack evaluate` and the lm-eval adapter run (`load_artifact`, Hugging Face's forward).
 
-    python benchmarks/prefill.py [--rows 512] [--repeats 7] [--artifact DIR] [--out out/bench-prefill.json]
+    python benchmarks/prefill.py [--rows 512] [--repeats 7] [--artifact DIR ...] [--out out/bench-prefill.json]
 """
 
 from __future__ import annotations
@@ -71,7 +78,7 @@ def measure(name: str, k: int, n: int, rows: int, repeats: int, group: int) -> d
         Int4(group_size=group), tensors["qweight"], tensors["scale"], tensors["zero_point"], None
     )
     ops = 2 * rows * n * k / 1e9
-    result: dict[str, object] = {"k": k, "n": n, "rows": rows}
+    result: dict[str, float | int] = {"k": k, "n": n, "rows": rows}
     with torch.inference_mode():
         result["torch fp32"] = ops / median_seconds(lambda: F.linear(x, weight), repeats)
         scratch = torch.empty(n, k)
@@ -99,34 +106,54 @@ def measure(name: str, k: int, n: int, rows: int, repeats: int, group: int) -> d
                 result[f"native int4 {isa}"] = ops / median_seconds(
                     lambda: kernels.linear(x, int4.qweight, int4.scale, None, int4.zero_point), repeats
                 )
+                peak = 2 * PEAKS[isa]["int16"] / 1e9  # GOP/s
+                result[f"native int8 {isa} int16 peak %"] = 100 * result[f"native int8 {isa}"] / peak
+                result[f"native int4 {isa} int16 peak %"] = 100 * result[f"native int4 {isa}"] / peak
     print(name, {key: round(v, 1) if isinstance(v, float) else v for key, v in result.items()}, flush=True)
     return result
 
 
-def model_prefill(artifact: str, rows: int, repeats: int) -> dict[str, object]:
-    """Seconds per prompt forward (median, alternating): native int8 prompts, dequantize + GEMM, FP32 reference."""
+PEAKS: dict[
+    str, dict[str, float]
+] = {}  # per build: multiply-adds per second of its int16 and fp32 instructions
+
+
+def measure_peaks() -> dict[str, dict[str, float]]:
+    for isa in kernels.runnable_isas():
+        with kernels.forced(isa):
+            PEAKS[isa] = {kind: max(kernels.peak_rate(kind) for _ in range(3)) for kind in ("int16", "fp32")}
+        print(f"peaks {isa}: " + ", ".join(f"{kind} {v / 1e9:.1f} GMAC/s" for kind, v in PEAKS[isa].items()))
+    return PEAKS
+
+
+def model_prefill(artifacts: list[str], rows: int, repeats: int) -> dict[str, object]:
+    """Seconds per prompt forward (median, alternating): each artifact's native prompt GEMMs, its dequantize +
+    GEMM, and the FP32 reference."""
     from quantize.io.artifact import load_artifact
     from quantize.model.sources import load_model, resolve_model
 
-    loaded = load_artifact(artifact)
-    reference = load_model(resolve_model(loaded.manifest["source"]["model_id"]), dtype=torch.float32)
+    loaded = [load_artifact(path) for path in artifacts]
+    reference = load_model(resolve_model(loaded[0].manifest["source"]["model_id"]), dtype=torch.float32)
     tokens = torch.arange(rows).remainder(reference.config.vocab_size - 1).add(1)[None]
 
     def forward(model: torch.nn.Module, native: bool, amx: bool = True) -> Callable[[], object]:
         def call() -> object:
-            Int8Linear.native_prompts = native
+            Int8Linear.native_prompts = Int4Linear.native_prompts = native
             try:
                 with kernels.forced_amx(amx):
                     return model(tokens, use_cache=False).logits
             finally:
-                Int8Linear.native_prompts = True
+                Int8Linear.native_prompts = Int4Linear.native_prompts = True
 
         return call
 
-    calls = {"int8 native": forward(loaded.model, True)}
-    if kernels.amx():
-        calls["int8 native, AMX off"] = forward(loaded.model, True, amx=False)
-    calls["int8 dequantize+gemm"] = forward(loaded.model, False)
+    calls: dict[str, Callable[[], object]] = {}
+    for path, artifact in zip(artifacts, loaded, strict=True):
+        label = Path(path).name
+        calls[f"{label} native"] = forward(artifact.model, True)
+        if kernels.amx():
+            calls[f"{label} native, AMX off"] = forward(artifact.model, True, amx=False)
+        calls[f"{label} dequantize+gemm"] = forward(artifact.model, False)
     calls["fp32"] = forward(reference, True)
     times: dict[str, list[float]] = {name: [] for name in calls}
     with torch.inference_mode():
@@ -139,6 +166,7 @@ def model_prefill(artifact: str, rows: int, repeats: int) -> dict[str, object]:
                 times[name].append(time.perf_counter() - started)
     seconds = {name: statistics.median(values) for name, values in times.items()}
     result: dict[str, object] = {"rows": rows, "isa": kernels.isa(), "amx": kernels.amx(), "seconds": seconds}
+    result["tokens/s"] = {name: rows / value for name, value in seconds.items()}
     result["speedup vs fp32"] = {name: seconds["fp32"] / value for name, value in seconds.items()}
     print("prefill", json.dumps(result, indent=1), flush=True)
     return result
@@ -152,17 +180,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--group", type=int, default=64)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
-    parser.add_argument("--artifact", help="an int8 artifact: also time whole prompt forwards")
+    parser.add_argument(
+        "--artifact", action="append", default=[], help="an artifact: also time whole prompt forwards"
+    )
     parser.add_argument("--out", type=Path, default=Path("out/bench-prefill.json"))
     args = parser.parse_args()
     kernels.enable()
+    measure_peaks()
     results = {
         name: measure(name, *SHAPES[name], args.rows, args.repeats, args.group) for name in args.shapes
     }
     from qpack.bench.sysinfo import machine_info
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"machine": machine_info(), "threads": torch.get_num_threads(), "gops": results}
+    summary = {
+        "machine": machine_info(),
+        "threads": torch.get_num_threads(),
+        "peak GMAC/s": {isa: {k: v / 1e9 for k, v in peaks.items()} for isa, peaks in PEAKS.items()},
+        "gops": results,
+    }
     if args.artifact:
         summary["model"] = model_prefill(args.artifact, args.rows, args.repeats)
     args.out.write_text(json.dumps(summary, indent=2))

@@ -20,14 +20,17 @@ Kernels, by weight type and number of activation rows M:
   `prefill_dtype` bf16, prompts keep dequantize + bf16 GEMM. Without the kernels,
   `aten._weight_int8pack_mm`, which on CPU is fast only with bf16 activations (fp32 is 10-50x slower), so
   activations are cast around it and the per-channel scale is applied in fp32 afterwards.
-- int4 (W4A16): the native kernel; else `aten._weight_int4pack_mm_for_cpu` on CPU, `aten._weight_int4pack_mm` on
-  CUDA, with our asymmetric zero point mapped exactly onto the kernels' `(q - 8) * scale + zero` form. Like
-  int8, in native chunks below `batch_invariant_rows` rows.
+- int4 (W4A16): qpack's native kernel for every M (a row kernel that unpacks the nibbles in registers for a few
+  rows, a GEMM over the packed weights for prompts), defined as exactly as int8 where it can be: each group's
+  integer sum of the int16 activations times (q - zero point) is exact, the groups' `scale * sum` terms are added
+  in order in double and rounded to float once (csrc/linear.h), so again a row's result does not depend on M, the
+  kernel or the CPU. With `prefill_dtype` bf16, prompts dequantize natively and run a bf16 GEMM. Without the
+  native kernels, `aten._weight_int4pack_mm_for_cpu` on CPU, `aten._weight_int4pack_mm` on CUDA, with our
+  asymmetric zero point mapped exactly onto the kernels' `(q - 8) * scale + zero` form.
 - torch's weight-only kernels are matrix-vector loops whose CPU time grows linearly with M, so from
   `dense_min_rows` rows (prefill, evaluation) the weight is dequantized for that call into a reused buffer and
   a dense GEMM runs instead, in the module's `prefill_dtype` (float32 unless set): int8 crosses over at ~48
-  rows, int4 at ~128 on the 2-core AVX2 reference machine; with the native kernels int4 dequantizes in one
-  native pass (M=128: 4.3 -> 0.8 ms).
+  rows, int4 at ~128 on the 2-core AVX2 reference machine.
 - w8a8: dynamic per-token int8 activations. On CUDA `torch._int_mm` (int32 accumulation). On CPU
   `torch._int_mm` is a slow reference loop, so the int8 activations go through the int8 weight kernel as
   bf16 integers (exactly representable), which gives the same products with fp32 accumulation.
@@ -46,6 +49,7 @@ from torch import nn
 
 from quantize.formats import primitives as P
 from quantize.formats.schemes import Int4, Scheme
+from quantize.runtime.kernels import build
 from quantize.runtime.kernels import ops as kernels
 from quantize.runtime.precision import PREFILL_DTYPE_NAMES
 
@@ -408,6 +412,8 @@ def _cuda_int8_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -
 
 class Int4Linear(QuantLinear):
     dense_min_rows: ClassVar[int] = 128
+    # Prompt-sized products on the native GEMM over the packed weights (csrc/gemm.h) instead of dequantize + GEMM.
+    native_prompts: ClassVar[bool] = True
     row_tensors = ("qweight", "scale", "zero_point")
 
     def __init__(
@@ -457,9 +463,11 @@ class Int4Linear(QuantLinear):
         return packed, scale_and_zeros
 
     def native_ok(self) -> bool:
-        """Whether the native kernels can run these weights (their int4 kernel reads groups of 32 inputs)."""
+        """Whether the native kernels can run these weights (groups of a multiple of 32 inputs, at most 4096: the
+        exact group sums then fit int32 lanes)."""
         return (
             self.group_size % 32 == 0
+            and self.group_size <= build.INT4_MAX_GROUP
             and self.qweight.device.type == "cpu"
             and self.scale.dtype == torch.float16
             and self.zero_point.dtype == torch.uint8
@@ -473,11 +481,8 @@ class Int4Linear(QuantLinear):
             y = torch.ops.aten._weight_int4pack_mm(
                 x2.to(torch.bfloat16), packed, self.group_size, scale_and_zeros
             )
-        elif native_ok and kernels.takes(x2):
+        elif native_ok and self._native(x2):
             y = kernels.linear(x2.to(torch.float32), self.qweight, self.scale, None, self.zero_point)
-        elif native_ok and x2.shape[0] < self.batch_invariant_rows and not x2.requires_grad:
-            rows = x2.to(torch.float32).split(kernels.max_rows())
-            y = torch.cat([kernels.linear(r, self.qweight, self.scale, None, self.zero_point) for r in rows])
         elif native_ok:
             weight = _scratch(torch.Size((self.qweight.shape[0], self.in_features)), self.qweight.device)
             kernels.dequantize_int4(self.qweight, self.scale, self.zero_point, weight)
@@ -494,6 +499,15 @@ class Int4Linear(QuantLinear):
             )
         y = y[:, : self.out_features]
         return self._finish(y.to(torch.float32), x).reshape(*x.shape[:-1], self.out_features)
+
+    def _native(self, x2: torch.Tensor) -> bool:
+        """Whether the native kernel computes these rows: any number of them in one call (the row kernel for a
+        few, the packed-int4 GEMM for prompts; the same bits for a row either way), unless prompt-sized products
+        were asked for in bf16, or `native_prompts` is off (the dequantize + GEMM baseline of the benchmarks)."""
+        if torch.is_grad_enabled() and x2.requires_grad:
+            return False
+        prompt = x2.shape[0] >= self.batch_invariant_rows
+        return not prompt or (Int4Linear.native_prompts and self.prefill_dtype == torch.float32)
 
     def decode_part(self) -> kernels.Part | None:
         return (self.qweight, self.scale, self.bias, self.zero_point) if self.native_ok() else None

@@ -190,8 +190,8 @@ def test_fused_projection_equals_separate_ones(scheme: Scheme | None, kernel_pat
 @pytest.mark.parametrize("scheme", [Int8(), Int4(64)], ids=lambda s: s.label())
 def test_prefill_runs_in_float32_unless_set_whatever_the_cpu(scheme: Scheme, kernel_path: str) -> None:
     """One numeric path by default: a prefill-sized batch multiplies in float32 on every CPU (AMX and
-    AVX512-BF16 included), or for int8 on the native kernels as their exact integer sums of the int16-rounded
-    activation; bfloat16 only when set on the model, within bf16 rounding of the exact product, inherited by
+    AVX512-BF16 included), or for int8 and int4 on the native kernels as their exact integer sums of the
+    int16-rounded activation (each row's bits those of the row alone); bfloat16 only when set on the model, within bf16 rounding of the exact product, inherited by
     fused modules and reported by `prefill_dtype_of`."""
     from quantize.runtime.modules import fuse_linears, prefill_dtype_of, set_prefill_dtype
 
@@ -209,7 +209,7 @@ def test_prefill_runs_in_float32_unless_set_whatever_the_cpu(scheme: Scheme, ker
         assert prefill_dtype_of(model) == "float32"
         float32 = model[0](x)
         bound = gemm_error_bound(x, dequantized, torch.float32)
-        if isinstance(scheme, Int8) and kernel_path == "native":
+        if kernel_path == "native":
             bound = int16_rounding_bound(x, dequantized)
             assert torch.equal(float32, torch.cat([model[0](x[i : i + 1]) for i in range(len(x))]))
         assert ((float32.double() - exact).abs() <= bound).all()

@@ -112,10 +112,12 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kind: str, isa: str) ->
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_prompt_sized_products_equal_each_row_alone_across_tiles_and_threads(kind: str, isa: str) -> None:
-    """From 8 rows the int8 kernel runs register tiles (csrc/tiles.h) instead of its decode loop (int4 keeps its
-    row kernel): every row of every M from 1 to 300, on 1 and 2 threads, must still equal that row computed
-    alone, bit for bit, so a prompt and its decode compute the same bits. K crosses the int8 kernels' 2048-input block and leaves a
-    tail; N leaves a partial tile of weight rows."""
+    """From 8 rows the int8 kernel runs register tiles (csrc/tiles.h) instead of its decode loop, from 48 rows a
+    packed-panel GEMM; int4 runs its row kernel, then from 48 rows its GEMM over the packed weights: every row
+    of every M from 1 to 300, on 1 and 2 threads, must still equal that row computed alone, bit for bit, so a
+    prompt and its decode compute the same bits. K crosses the int8 kernels' 2048-input block and leaves a
+    tail, and holds 33 int4 groups (eight at a time, then one); N leaves a partial tile and panel of weight
+    rows."""
     generator = torch.Generator().manual_seed(11)
     n = 23
     args: tuple[torch.Tensor | None, ...]
@@ -170,6 +172,68 @@ def test_int8_products_are_the_exact_integer_sum_rounded_once(rows: int, k: int,
     qweight[0, :] = -128
     scale = torch.rand(n, generator=generator) / 100 + 1e-4
     assert torch.equal(kernels.linear(x, qweight, scale), _exact_int8_reference(x, qweight, scale))
+
+
+def _exact_int4_reference(x: torch.Tensor, tensors: dict[str, torch.Tensor], group: int) -> torch.Tensor:
+    """What the int4 kernels define, computed independently: each row rounded to int16 as for int8; per group the
+    exact integer sum of the activations times (q - zero point) (int64 matmul); the groups' scale * sum terms
+    added in order in float64 (each term exact there); rounded to float once, then times the row's scale."""
+    q = P.unpack_int4(tensors["qweight"]).to(torch.int64)
+    zero, scale = tensors["zero_point"].to(torch.int64), tensors["scale"].to(torch.float64)
+    peak = x.abs().amax(1)
+    inverse = torch.where(peak > 0, torch.tensor(32767.0) / peak, torch.zeros_like(peak))
+    a = torch.round(x * inverse[:, None]).to(torch.int64)
+    total = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float64)
+    for g in range(x.shape[1] // group):
+        inputs = slice(g * group, (g + 1) * group)
+        exact = a[:, inputs] @ (q[:, inputs] - zero[:, g : g + 1]).T
+        total = total + scale[:, g][None, :] * exact.to(torch.float64)
+    return total.to(torch.float32) * (peak / 32767.0)[:, None]
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 96])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 47, 48, 131])
+def test_int4_products_are_exact_group_sums_added_in_order(rows: int, group: int, isa: str) -> None:
+    """The int4 kernels' result is defined, not merely close (csrc/linear.h): exact integer sums per group, the
+    groups' terms added in order in double, rounded once. Checked bit for bit against an int64 matmul and a
+    float64 sum, for the row kernel (below 48 rows) and the packed-int4 GEMM (from 48), for the group sizes the
+    row kernel unrolls and one it loops over, with a tail of groups past the eight folded at a time; the
+    first inputs at the row's peak and weights at 0 and 15 fill the int32 lanes."""
+    generator = torch.Generator().manual_seed(rows * 1000 + group)
+    n, k = 29, group * 11
+    weight = torch.randn(n, k, generator=generator)
+    weight[0, ::2], weight[0, 1::2] = -1.0, 1.0  # nibbles 0 and 15 in every group of row 0
+    tensors = Int4Handler().quantize(Int4(group_size=group), weight)
+    x = torch.randn(rows, k, generator=generator)
+    x[:, :group] = x[:, :group].sign() * 40
+    got = kernels.linear(x, tensors["qweight"], tensors["scale"], None, tensors["zero_point"])
+    assert torch.equal(got, _exact_int4_reference(x, tensors, group))
+
+
+@pytest.mark.parametrize("rows", [1, 48])
+def test_the_largest_int4_group_sums_exactly_at_its_extremes(rows: int, isa: str) -> None:
+    """A group of build.INT4_MAX_GROUP inputs, every activation at its peak (32767) and every weight 15 above its
+    zero point: the group sum 32767 * 15 * 4096 is the largest there is, and must not wrap its int32 lanes in the
+    row kernel or the GEMM; a larger group is refused with the limit named."""
+    group, n = build.INT4_MAX_GROUP, 3
+    tensors = {
+        "qweight": torch.full((n, group), 0xFF, dtype=torch.uint8),
+        "scale": torch.ones(n, 2, dtype=torch.float16),
+        "zero_point": torch.zeros(n, 2, dtype=torch.uint8),
+    }
+    tensors["zero_point"][1, 1] = 15  # row 1's second group: all zero, its first at the extreme
+    x = torch.ones(rows, 2 * group)
+    got = kernels.linear(x, tensors["qweight"], tensors["scale"], None, tensors["zero_point"])
+    assert torch.equal(got, _exact_int4_reference(x, tensors, group))
+    assert got[0, 0].item() == 2 * 32767 * 15 * group / 32767
+    with pytest.raises(RuntimeError, match=f"at most {group}"):
+        kernels.linear(
+            x,
+            tensors["qweight"],
+            tensors["scale"][:, :1].contiguous(),
+            None,
+            tensors["zero_point"][:, :1].contiguous(),
+        )
 
 
 def test_both_builds_compute_the_same_int8_bits() -> None:
@@ -246,11 +310,12 @@ def test_int4_weights_match_their_dequantized_form(rows: int, group_size: int, i
 
 @pytest.mark.parametrize("prefill_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("group_size", [32, 64])
-def test_int4_prefill_matches_the_dequantized_form_in_its_dtype(
+def test_int4_prefill_runs_the_packed_gemm_or_the_dequantized_form_in_its_dtype(
     group_size: int, prefill_dtype: str, isa: str
 ) -> None:
-    """A prefill-sized batch dequantizes natively and runs one GEMM in the module's prefill dtype: within that
-    dtype's rounding of the exact product (bfloat16 runs emulated where the CPU lacks it)."""
+    """A prefill-sized batch in float32 runs the GEMM over the packed weights: the kernels' exact definition, bit
+    for bit, within the int16 rounding of the activations; in bfloat16 it dequantizes natively and runs one GEMM
+    in that dtype, within its rounding of the exact product (emulated where the CPU lacks it)."""
     x, tensors, dequantized, _bias = _int4_case(150, group_size)
     module = Int4Linear(
         Int4(group_size=group_size), tensors["qweight"], tensors["scale"], tensors["zero_point"], None
@@ -259,10 +324,11 @@ def test_int4_prefill_matches_the_dequantized_form_in_its_dtype(
     with torch.inference_mode():
         got = module(x).double()
     exact = F.linear(x.double(), dequantized.double())
-    bound = gemm_error_bound(x, dequantized, PREFILL_DTYPES[prefill_dtype])
-    assert ((got - exact).abs() <= bound).all()
     if prefill_dtype == "float32":
-        torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-4)
+        assert torch.equal(got.float(), _exact_int4_reference(x, tensors, group_size))
+        assert ((got - exact).abs() <= int16_rounding_bound(x, dequantized)).all()
+    else:
+        assert ((got - exact).abs() <= gemm_error_bound(x, dequantized, torch.bfloat16)).all()
 
 
 def test_int4_keeps_one_copy_of_its_weights_with_the_native_kernels(isa: str) -> None:
@@ -432,3 +498,11 @@ def test_the_avx512_sources_compile_on_any_machine() -> None:
     ]
     errors = [check.communicate(timeout=600)[1] for check in checks if check.wait(timeout=600) != 0]
     assert not errors, errors[0][-3000:]
+
+
+def test_the_instruction_ceilings_are_measured_for_the_build_in_use(isa: str) -> None:
+    """benchmarks/prefill.py states each GEMM against these: a positive rate for both instructions, a clear
+    error for any other kind."""
+    assert kernels.peak_rate("int16", 10_000) > 0 and kernels.peak_rate("fp32", 10_000) > 0
+    with pytest.raises(RuntimeError, match="'int16' or 'fp32'"):
+        kernels.peak_rate("int8", 10)

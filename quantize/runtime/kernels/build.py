@@ -8,7 +8,8 @@ AVX-512 build must never load on an AVX2 machine sharing the cache. A lock left 
 would make every later start wait forever: it is cleared when stale.
 
 On CPUs with AVX-512 (F/BW/VL) and VNNI the kernels are built for them (int8/int4 rows multiply-accumulate int16
-pairs with `vpdpwssd`, float rows run 16 wide); elsewhere for AVX2+FMA. `QPACK_NATIVE_ISA=avx2` forces the AVX2
+pairs with `vpdpwssd`, float rows run 16 wide); elsewhere for AVX2+FMA. Both use F16C (every AVX2 CPU has it) to
+read int4's float16 group scales. `QPACK_NATIVE_ISA=avx2` forces the AVX2
 build on any machine (to compare, or to test both).
 """
 
@@ -31,12 +32,15 @@ _log = logging.getLogger("qpack.kernels")
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 # Translation units, in link order; the headers they include are hashed too (any file in csrc/).
-SOURCES = ("linear.cpp", "gemm_amx.cpp", "attention.cpp", "decode_layers.cpp", "bindings.cpp")
+SOURCES = ("linear.cpp", "gemm_amx.cpp", "attention.cpp", "decode_layers.cpp", "peak.cpp", "bindings.cpp")
 AVX512_FEATURES = ("avx512_f", "avx512_bw", "avx512_vl", "avx512_vnni")
 ISA_FLAGS = {
-    "avx2": ["-mavx2", "-mfma"],
-    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
 }
+# The largest int4 group the kernels take: each group's exact sum of int16 activations times 4-bit weights
+# (|sum| <= 32767 * 15 * group) must fit the int32 lanes. Passed to the sources as QPACK_INT4_MAX_GROUP.
+INT4_MAX_GROUP = 4096
 STALE_LOCK_S = 600.0  # a build takes ~1 min; a lock this old was left by a process killed mid-build
 
 
@@ -59,7 +63,7 @@ def target_isa() -> str:
 
 
 def compile_flags(isa: str) -> list[str]:
-    return ["-O3", *ISA_FLAGS[isa], "-fopenmp"]
+    return ["-O3", *ISA_FLAGS[isa], "-fopenmp", f"-DQPACK_INT4_MAX_GROUP={INT4_MAX_GROUP}"]
 
 
 def source_paths() -> list[Path]:

@@ -13,6 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &qpack::rms_norm, "Llama RMSNorm over rows", release());
   m.def("decode_layers", &qpack::decode_layers, "decoder layers of a decode step in one parallel region", release());
   m.def("dequantize_int4", &qpack::dequantize_int4, "int4 weights to float32 in one pass", release());
+  m.def("peak_rate", &qpack::peak_rate, "multiply-adds per second of the int16-pair or fp32 FMA instruction", release());
   m.def("amx_enabled", &qpack::amx_enabled, "whether int8 prompt products run on AMX tiles");
   m.def("set_amx", &qpack::set_amx, "switch the AMX int8 GEMM on or off (where the CPU allows); whether it is on");
 }

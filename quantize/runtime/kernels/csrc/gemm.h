@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "simd.h"
 
@@ -30,9 +31,10 @@ constexpr int kPanel = kVec * kWide;  // weight rows per packed panel
 constexpr int64_t kDepth = 512;       // inputs per block: each int32 lane sums <= 512 products, exact
 
 // sums[j][c] += the exact int32 sums over `pairs` input pairs of activation rows j < T (int16, row stride lda,
-// read two at a time) and the packed panel's weight rows c < kPanel; sums row stride kPanel, in int64.
-template <int T>
-inline void micro_i8(const int16_t* a, int64_t lda, const int16_t* panel, int64_t pairs, int64_t* sums) {
+// read two at a time) and the packed panel's weight rows c < kPanel; sums row stride kPanel, in int64. With
+// S = int32_t the block's sums are stored instead (an int4 group's, whose terms are small enough: gemm_i4).
+template <int T, typename S = int64_t>
+inline void micro_i8(const int16_t* a, int64_t lda, const int16_t* panel, int64_t pairs, S* sums) {
 #ifdef QPACK_AVX512
   __m512i acc[T][kWide];
   for (int j = 0; j < T; ++j)
@@ -45,9 +47,14 @@ inline void micro_i8(const int16_t* a, int64_t lda, const int16_t* panel, int64_
       for (int c = 0; c < kWide; ++c) acc[j][c] = _mm512_dpwssd_epi32(acc[j][c], x, w[c]);
     }
   }
+  if constexpr (std::is_same_v<S, int32_t>) {
+    for (int j = 0; j < T; ++j)
+      for (int c = 0; c < kWide; ++c) _mm512_storeu_si512(sums + j * kPanel + c * kVec, acc[j][c]);
+    return;
+  }
   for (int j = 0; j < T; ++j)
     for (int c = 0; c < kWide; ++c) {
-      int64_t* s = sums + j * kPanel + c * kVec;
+      int64_t* s = reinterpret_cast<int64_t*>(sums) + j * kPanel + c * kVec;
       const __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc[j][c]));
       const __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc[j][c], 1));
       _mm512_storeu_si512(s, _mm512_add_epi64(_mm512_loadu_si512(s), lo));
@@ -66,9 +73,15 @@ inline void micro_i8(const int16_t* a, int64_t lda, const int16_t* panel, int64_
       for (int c = 0; c < kWide; ++c) acc[j][c] = _mm256_add_epi32(acc[j][c], _mm256_madd_epi16(x, w[c]));
     }
   }
+  if constexpr (std::is_same_v<S, int32_t>) {
+    for (int j = 0; j < T; ++j)
+      for (int c = 0; c < kWide; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + j * kPanel + c * kVec), acc[j][c]);
+    return;
+  }
   for (int j = 0; j < T; ++j)
     for (int c = 0; c < kWide; ++c) {
-      int64_t* s = sums + j * kPanel + c * kVec;
+      int64_t* s = reinterpret_cast<int64_t*>(sums) + j * kPanel + c * kVec;
       const __m256i lo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(acc[j][c]));
       const __m256i hi = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(acc[j][c], 1));
       __m256i* s0 = reinterpret_cast<__m256i*>(s);
@@ -80,13 +93,12 @@ inline void micro_i8(const int16_t* a, int64_t lda, const int16_t* panel, int64_
 }
 
 // micro_i8<rows> for a runtime count of activation rows, 1 .. kTall (the last rows of a product).
-template <int T = kTall>
-inline void micro_i8_rows(int rows, const int16_t* a, int64_t lda, const int16_t* panel, int64_t pairs,
-                          int64_t* sums) {
+template <int T = kTall, typename S = int64_t>
+inline void micro_i8_rows(int rows, const int16_t* a, int64_t lda, const int16_t* panel, int64_t pairs, S* sums) {
   if constexpr (T > 1) {
-    if (rows < T) return micro_i8_rows<T - 1>(rows, a, lda, panel, pairs, sums);
+    if (rows < T) return micro_i8_rows<T - 1, S>(rows, a, lda, panel, pairs, sums);
   }
-  micro_i8<T>(a, lda, panel, pairs, sums);
+  micro_i8<T, S>(a, lda, panel, pairs, sums);
 }
 
 // The transpose of 16 (AVX-512) or 8 (AVX2) vectors of 32-bit elements: v[i] element e becomes v[e] element i.
@@ -168,6 +180,58 @@ inline void pack_panel_i8(const int8_t* w, int64_t ldw, int64_t n, int cols, int
         panel[(p * kPanel + c0 + i) * 2] = real ? src[0] : 0;
         panel[(p * kPanel + c0 + i) * 2 + 1] = real ? src[1] : 0;
       }
+  }
+}
+
+#ifdef QPACK_AVX512
+inline __m512i widen_bytes(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512i nibble_pairs(__m512i bytes, __m512i zero) {
+  const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), zero);
+  const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), zero);
+  return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(hi, 16));
+}
+#else
+inline __m256i widen_bytes(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i nibble_pairs(__m256i bytes, __m256i zero) {
+  const __m256i lo = _mm256_sub_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), zero);
+  const __m256i hi = _mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), zero);
+  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(hi, 16));
+}
+#endif
+
+// The int4 panel of group g: panel[p][c][0..1] = (w - zero) of weight row n + c's inputs 2p, 2p + 1 of the group
+// (one byte: low nibble, high nibble) as int16, for c < cols (zero for the rest), p < pairs = group / 2 (a multiple
+// of kVec); w [N, K/2] uint8 rows of stride ldw, zero [N, groups]. kVec bytes of a row become kVec int32 lanes of
+// pairs in registers, then transpose_lanes lays them out as pack_panel_i8 does.
+inline void pack_panel_i4(const uint8_t* w, int64_t ldw, const uint8_t* zero, int64_t groups, int64_t n, int cols,
+                          int64_t g, int64_t pairs, int16_t* panel) {
+  using Vec = decltype(widen_pairs(static_cast<const int8_t*>(nullptr)));
+  for (int c0 = 0; c0 < kPanel; c0 += kVec) {
+    for (int64_t p = 0; p < pairs; p += kVec) {
+      Vec v[kVec];
+      for (int i = 0; i < kVec; ++i) {
+        const int64_t row = n + c0 + i;
+        if (c0 + i < cols) {
+#ifdef QPACK_AVX512
+          v[i] = nibble_pairs(widen_bytes(w + row * ldw + g * pairs + p), _mm512_set1_epi32(zero[row * groups + g]));
+#else
+          v[i] = nibble_pairs(widen_bytes(w + row * ldw + g * pairs + p), _mm256_set1_epi32(zero[row * groups + g]));
+#endif
+        } else {
+#ifdef QPACK_AVX512
+          v[i] = _mm512_setzero_si512();
+#else
+          v[i] = _mm256_setzero_si256();
+#endif
+        }
+      }
+      transpose_lanes(v);
+      for (int e = 0; e < kVec; ++e) store_vec(panel + ((p + e) * kPanel + c0) * 2, v[e]);
+    }
   }
 }
 

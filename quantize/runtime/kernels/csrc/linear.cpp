@@ -31,7 +31,8 @@ Lin as_lin(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias,
                     zero_point.is_contiguous(),
                 "int4 zero_point: [N, K/g] uint8");
     const int64_t K = 2 * w.size(1), groups = scale.size(1);
-    TORCH_CHECK(groups > 0 && K % groups == 0 && (K / groups) % 32 == 0, "int4 groups: a multiple of 32 inputs");
+    TORCH_CHECK(groups > 0 && K % groups == 0 && (K / groups) % 32 == 0 && K / groups <= kInt4MaxGroup,
+                "int4 groups: a multiple of 32 inputs, at most ", kInt4MaxGroup);
     Lin L{kind, w.data_ptr(), w.stride(0), N, K, nullptr, b};
     L.group_scale = scale.data_ptr<at::Half>();
     L.group_zero = zero_point.data_ptr<uint8_t>();
@@ -197,7 +198,52 @@ void lin_cols_i8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_
   }
 }
 
+// The int4 product (linear.h) for prompt-sized activations, from the packed weights: per panel of kPanel weight
+// rows and per group, the group's nibbles minus its zero points are packed as int16 pairs (pack_panel_i4) and
+// the int8 GEMM's micro-kernel stores each row's exact group sums S_g in int32; they are added into double
+// totals as scale_g * S_g, group after group, which is the row kernel's order: the same bits.
+void gemm_i4(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
+  const uint8_t* w = static_cast<const uint8_t*>(L.w);
+  const int64_t K = a.K, M = a.M, group = L.group, groups = K / group, pairs = group / 2;
+  std::vector<int16_t> panel(pairs * kPanel * 2);
+  std::vector<int32_t> sums(M * kPanel);
+  std::vector<double> total(M * kPanel);
+  alignas(32) double scale[kPanel];
+  for (int64_t n = n0; n < n1; n += kPanel) {
+    const int cols = static_cast<int>(std::min<int64_t>(kPanel, n1 - n));
+    std::fill(total.begin(), total.end(), 0.0);
+    for (int64_t g = 0; g < groups; ++g) {
+      pack_panel_i4(w, L.ldw, L.group_zero, groups, n, cols, g, pairs, panel.data());
+      for (int64_t m = 0; m < M; m += kTall) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTall, M - m));
+        micro_i8_rows<kTall, int32_t>(rows, a.q + m * K + g * group, K, panel.data(), pairs,
+                                      sums.data() + m * kPanel);
+      }
+      for (int c = 0; c < kPanel; ++c) scale[c] = c < cols ? group_scale_of(L.group_scale[(n + c) * groups + g]) : 0.0;
+      for (int64_t m = 0; m < M; ++m) {
+        const int32_t* s = sums.data() + m * kPanel;
+        double* t = total.data() + m * kPanel;
+        for (int c = 0; c < kPanel; c += 4) {
+          const __m256d term = _mm256_cvtepi32_pd(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + c)));
+          _mm256_storeu_pd(t + c, _mm256_fmadd_pd(_mm256_load_pd(scale + c), term, _mm256_loadu_pd(t + c)));
+        }
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float out[1];
+      for (int c = 0; c < cols; ++c) {
+        out[0] = static_cast<float>(total[m * kPanel + c]);
+        store_rows(L, n + c, out, a.scale, m, 1, y, ldy, accumulate);
+      }
+    }
+  }
+}
+
 void lin_cols_i4(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
+  if (a.M >= kGemmMinRows) {
+    a.quantize();
+    return gemm_i4(L, a, y, ldy, n0, n1, accumulate);
+  }
   a.quantize4(L.group);
   const uint8_t* w = static_cast<const uint8_t*>(L.w);
   const int64_t K = a.K, groups = K / L.group;
@@ -290,14 +336,17 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, at::Tensor scale, at::Tensor 
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const bool integer = L.kind == at::kChar || L.kind == at::kByte;
-  std::vector<int16_t> q(integer ? M * K : 0), q4(L.kind == at::kByte ? M * K : 0);
-  std::vector<int32_t> group_sum(L.kind == at::kByte ? M * (K / 32) : 0);
+  const bool rows4 = L.kind == at::kByte && M < kGemmMinRows;  // the int4 row kernel's activations
+  std::vector<int16_t> q(integer ? M * K : 0), q4(rows4 ? M * K : 0);
+  std::vector<int32_t> group_sum(rows4 ? M * (K / 32) : 0);
   std::vector<float> row_scale(M);
   Act a{xp, M, K, q.data(), row_scale.data(), q4.data(), group_sum.data()};
-  if (L.kind == at::kByte) a.quantize4(L.group);  // before the threads share it
-  if (L.kind == at::kChar) {
+  if (integer) {  // before the threads share it
     at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) { a.quantize_rows(begin, end); });
     a.quantized = true;
+  }
+  if (rows4) a.quantize4(L.group);
+  if (L.kind == at::kChar) {
     if (amx_takes(M, K)) {  // split once, by all threads, before they share it
       amx_alloc(a);
       at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {

@@ -219,68 +219,121 @@ inline void row_dot_i8(const int16_t* q, int64_t K, const int8_t* w, float* out)
   }
 }
 
-// out[j] = sum_k q[j, k] * dequantized w[k] over MB int16 rows (q4 order) for an int4 row: per group g,
-// scale * (sum q * nibble - zero * sum q), exact in int32 within the group; group_sum [MB, K / group].
+// The int4 product, defined exactly as the int8 one is wherever it can be: per group g of a weight row, the
+// exact integer sum S_g = sum_{k in g} q[j, k] * (w[k] - zero_g) (|S_g| <= 32767 * 15 * group, int32 lanes for
+// groups of at most kInt4MaxGroup inputs); the groups added in order g = 0, 1, ... in double, each term
+// scale_g * S_g exact there (an 11-bit float16 significand times a 31-bit integer), the total rounded to float
+// once. Every int4 kernel (these rows, the prompt GEMM in gemm.h, AVX2 or AVX-512) adds the same terms in the
+// same order, so a row's result does not depend on M, the tile, the thread or the CPU. Where it differs from
+// int8's definition: the sum across groups is rounded in double (relative error <= groups * 2^-53, far below the
+// float rounding that follows), because float16 scales over a row span more exponents than an int64 holds.
+constexpr int64_t kInt4MaxGroup = QPACK_INT4_MAX_GROUP;  // build.py INT4_MAX_GROUP
+
+inline double group_scale_of(at::Half s) { return static_cast<double>(_cvtsh_ss(s.x)); }
+
+// Adds groups g0 .. g0 + count - 1 of one activation row into `total`, in order: lanes[i] holds group g0 + i's 8
+// int32 lanes, zero/scale are the weight row's and group_sum the activation row's, all from g0. A full set of 8
+// groups is reduced as a transpose (horizontal adds), its zero-point terms, conversions and products 8 at a time;
+// fewer, one at a time: the same terms either way, added in the same order.
+inline void fold_groups(const int32_t (*lanes)[8], int count, const uint8_t* zero, const int32_t* group_sum,
+                        const at::Half* scale, double& total) {
+  if (count < 8) {
+    for (int i = 0; i < count; ++i) {
+      const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[i]));
+      const int32_t exact = hsum_i32(v) - static_cast<int32_t>(zero[i]) * group_sum[i];
+      total += group_scale_of(scale[i]) * static_cast<double>(exact);
+    }
+    return;
+  }
+  __m256i v[8];
+  for (int i = 0; i < 8; ++i) v[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[i]));
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+  const __m256i zeros = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zero)));
+  const __m256i exact = _mm256_sub_epi32(
+      sums, _mm256_mullo_epi32(zeros, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_sum))));
+  const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale)));
+  alignas(32) double terms[8];
+  _mm256_store_pd(terms, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(scales)),
+                                       _mm256_cvtepi32_pd(_mm256_castsi256_si128(exact))));
+  _mm256_store_pd(terms + 4, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(scales, 1)),
+                                           _mm256_cvtepi32_pd(_mm256_extracti128_si256(exact, 1))));
+  for (int i = 0; i < 8; ++i) total += terms[i];
+}
+
+// out[j] = the int4 product above, over MB int16 activation rows in q4 order (each 32 inputs: the 16 evens, then
+// the 16 odds, the order a block's 16 bytes hold them in their low and high nibbles); group_sum [MB, K / group]
+// holds sum_{k in g} q[j, k] for the zero points. A block's bytes are widened once to 16-bit lanes in registers:
+// the low nibble is `lane & 15` and the high one `lane >> 4`, no pass through memory. Each group's int32 lanes
+// are parked in L1 and reduced eight groups at a time (fold_groups): a horizontal sum per group per row cost as
+// much as the group's multiply-adds.
+// Group g's int32 lanes for MB activation rows (8 per row: AVX-512's 16 are folded to 8), from per_group blocks
+// of 32 inputs; PG > 0 fixes per_group at compile time (groups of 32, 64, 128 inputs), so the blocks of a group
+// unroll into one straight run with no loop of two iterations around them.
+template <int MB, int PG>
+inline void group_lanes_i4(const int16_t* q4, int64_t K, const uint8_t* w, int64_t g, int64_t per_group,
+                           int32_t (*lanes)[8][8], int i) {
+  const int64_t blocks = PG > 0 ? PG : per_group, first = g * blocks;
+  const __m256i low = _mm256_set1_epi16(0x0F);
+#ifdef QPACK_AVX512
+  __m512i acc[MB];
+  for (int j = 0; j < MB; ++j) acc[j] = _mm512_setzero_si512();
+#else
+  __m256i acc[MB];
+  for (int j = 0; j < MB; ++j) acc[j] = _mm256_setzero_si256();
+#endif
+  for (int64_t b = first; b < first + blocks; ++b) {
+    if (PG >= 4 ? (b & 3) == 0 : PG == 2 ? (b & 1) == 0 : true) prefetch(w + b * 16, PG >= 4 ? 64 : 16 * (PG > 0 ? PG : 1));
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16)));
+    const __m256i even = _mm256_and_si256(bytes, low), odd = _mm256_srli_epi16(bytes, 4);
+#ifdef QPACK_AVX512
+    const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
+    for (int j = 0; j < MB; ++j) acc[j] = _mm512_dpwssd_epi32(acc[j], wv, _mm512_loadu_si512(q4 + j * K + b * 32));
+#else
+    for (int j = 0; j < MB; ++j) {
+      const int16_t* qb = q4 + j * K + b * 32;
+      const __m256i pe = _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb)));
+      const __m256i po = _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 16)));
+      acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(pe, po));
+    }
+#endif
+  }
+  for (int j = 0; j < MB; ++j) {
+#ifdef QPACK_AVX512
+    const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(acc[j]), _mm512_extracti64x4_epi64(acc[j], 1));
+#else
+    const __m256i folded = acc[j];
+#endif
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[j][i]), folded);
+  }
+}
+
+template <int MB, int PG>
+inline void row_dot_i4_blocks(const int16_t* q4, const int32_t* group_sum, int64_t K, const uint8_t* w,
+                              const at::Half* group_scale, const uint8_t* group_zero, int64_t group, float* out) {
+  const int64_t groups = K / group, per_group = group / 32;
+  double total[MB];
+  alignas(32) int32_t lanes[MB][8][8];
+  for (int j = 0; j < MB; ++j) total[j] = 0.0;
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    const int count = static_cast<int>(std::min<int64_t>(8, groups - g0));
+    for (int i = 0; i < count; ++i) group_lanes_i4<MB, PG>(q4, K, w, g0 + i, per_group, lanes, i);
+    for (int j = 0; j < MB; ++j)
+      fold_groups(lanes[j], count, group_zero + g0, group_sum + j * groups + g0, group_scale + g0, total[j]);
+  }
+  for (int j = 0; j < MB; ++j) out[j] = static_cast<float>(total[j]);
+}
+
 template <int MB>
 inline void row_dot_i4(const int16_t* q4, const int32_t* group_sum, int64_t K, const uint8_t* w,
                        const at::Half* group_scale, const uint8_t* group_zero, int64_t group, float* out) {
-#ifdef QPACK_AVX512
-  // A block's 16 bytes become one register of 32 int16 nibbles, evens then odds (the q4 order): one vpdpwssd
-  // per activation row per block.
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const int64_t groups = K / group, per_group = group / 32;
-  __m512 total[MB];
-  float zero_terms[MB];
-  for (int j = 0; j < MB; ++j) total[j] = _mm512_setzero_ps(), zero_terms[j] = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i acc[MB];
-    for (int j = 0; j < MB; ++j) acc[j] = _mm512_setzero_si512();
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      prefetch(w + b * 16, 16);
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
-      const __m256i nibbles = _mm256_inserti128_si256(
-          _mm256_castsi128_si256(_mm_and_si128(packed, low)), _mm_and_si128(_mm_srli_epi16(packed, 4), low), 1);
-      const __m512i wv = _mm512_cvtepu8_epi16(nibbles);
-      for (int j = 0; j < MB; ++j) acc[j] = _mm512_dpwssd_epi32(acc[j], wv, _mm512_loadu_si512(q4 + j * K + b * 32));
-    }
-    const float s = static_cast<float>(group_scale[g]);
-    const int32_t z = group_zero[g];
-    for (int j = 0; j < MB; ++j) {
-      total[j] = _mm512_fmadd_ps(_mm512_set1_ps(s), _mm512_cvtepi32_ps(acc[j]), total[j]);
-      zero_terms[j] += s * static_cast<float>(z * group_sum[j * groups + g]);
-    }
+  switch (group) {
+    case 32: return row_dot_i4_blocks<MB, 1>(q4, group_sum, K, w, group_scale, group_zero, group, out);
+    case 64: return row_dot_i4_blocks<MB, 2>(q4, group_sum, K, w, group_scale, group_zero, group, out);
+    case 128: return row_dot_i4_blocks<MB, 4>(q4, group_sum, K, w, group_scale, group_zero, group, out);
+    default: return row_dot_i4_blocks<MB, 0>(q4, group_sum, K, w, group_scale, group_zero, group, out);
   }
-  for (int j = 0; j < MB; ++j) out[j] = _mm512_reduce_add_ps(total[j]) - zero_terms[j];
-#else
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const int64_t groups = K / group, per_group = group / 32;
-  __m256 total[MB];
-  float zero_terms[MB];
-  for (int j = 0; j < MB; ++j) total[j] = _mm256_setzero_ps(), zero_terms[j] = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i acc[MB];
-    for (int j = 0; j < MB; ++j) acc[j] = _mm256_setzero_si256();
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      prefetch(w + b * 16, 16);
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
-      const __m256i even = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low));
-      const __m256i odd = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low));
-      for (int j = 0; j < MB; ++j) {
-        const int16_t* qb = q4 + j * K + b * 32;
-        const __m256i pe = _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb)));
-        const __m256i po = _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 16)));
-        acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(pe, po));
-      }
-    }
-    const float s = static_cast<float>(group_scale[g]);
-    const int32_t z = group_zero[g];
-    for (int j = 0; j < MB; ++j) {
-      total[j] = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(acc[j]), total[j]);
-      zero_terms[j] += s * static_cast<float>(z * group_sum[j * groups + g]);
-    }
-  }
-  for (int j = 0; j < MB; ++j) out[j] = hsum(total[j]) - zero_terms[j];
-#endif
 }
 
 // One output from its row's sum: sum * (row scale * weight row scale) + bias, one rounding for the multiply-add

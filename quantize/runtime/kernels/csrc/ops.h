@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 namespace qpack {
@@ -26,5 +27,9 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin, std:
                          std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, at::Tensor new_slots,
                          at::Tensor ctx_slots, at::Tensor starts, at::Tensor lengths, int64_t H, int64_t KVH,
                          double scale);
+
+// Multiply-adds per second of the int16-pair or float32 FMA instruction at its issue rate, on all torch threads
+// (peak.cpp).
+double peak_rate(const std::string& kind, int64_t iterations);
 
 }  // namespace qpack

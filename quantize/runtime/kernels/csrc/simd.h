@@ -32,6 +32,14 @@ inline int64_t hsum_i64(__m256i v) {
   return _mm_cvtsi128_si64(pair) + _mm_extract_epi64(pair, 1);
 }
 
+// The sum of 8 int32 lanes in int32 (wrapping, so exact wherever the total fits, whatever the partial sums).
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
