@@ -202,7 +202,7 @@ def evaluate(config: EvaluateConfig, progress: Progress = NULL_PROGRESS) -> Eval
     evaluation = Evaluation(
         artifact=ArtifactInfo(loaded.name, loaded.version, str(artifact_dir)),
         reference=reference_info,
-        numerics=Numerics(str(record["prefill_dtype"]), record["native_kernels"]),
+        numerics=Numerics(str(record["prefill_dtype"]), record["native_kernels"], str(record["prompt_path"])),
         mmlu=MmluSummary(
             data.layout,
             data.source,

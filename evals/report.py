@@ -23,7 +23,8 @@ def markdown(evaluation: Evaluation) -> str:
     )
     lines.append(
         f"Artifact numerics: prefill GEMMs in {evaluation.numerics.prefill_dtype}, native kernels "
-        f"{evaluation.numerics.native_kernels or 'off (torch ops)'}"
+        f"{evaluation.numerics.native_kernels or 'off (torch ops)'}; prompts scored on "
+        f"{evaluation.numerics.prompt_path or 'unrecorded kernels'}"
     )
     lines.append("")
     lines.append(

@@ -155,6 +155,8 @@ class Numerics(Record):
     prefill_dtype: str
     native_kernels: str | None
     """The native kernel build in use; None: torch's ops."""
+    prompt_path: str = ""
+    """The kernels prompt-sized products ran on (`quantize.runtime.modules.prompt_path`)."""
 
 
 @dataclass(frozen=True)

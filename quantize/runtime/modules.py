@@ -233,11 +233,35 @@ def prefill_dtype_of(model: nn.Module) -> str:
     return next(name for name, value in PREFILL_DTYPES.items() if value == dtype)
 
 
+def prompt_path(model: nn.Module) -> str:
+    """Which kernels `model`'s prompt-sized products of quantized weights run on, in words: what an evaluation
+    scored is what a server runs for the same artifact on the same machine."""
+    kinds = {type(m) for m in model.modules() if isinstance(m, QuantLinear)}
+    if not kinds:
+        return "float32 GEMM (no quantized linears)"
+    dtype = prefill_dtype_of(model)
+    if not kernels.ready():
+        return f"torch ops (dequantize + {dtype} GEMM)"
+    native = {Int8Linear: Int8Linear.native_prompts, Int4Linear: Int4Linear.native_prompts}
+    if dtype != "float32" or not any(native.get(kind, False) for kind in kinds):
+        return f"dequantize + {dtype} GEMM"
+    parts = []
+    if native.get(Int8Linear) and Int8Linear in kinds:
+        parts.append("int8 on AMX tiles" if kernels.amx() else f"int8 packed-panel GEMM ({kernels.isa()})")
+    if native.get(Int4Linear) and Int4Linear in kinds:
+        parts.append(f"int4 packed-nibble GEMM ({kernels.isa()})")
+    return "native exact, int16 activations: " + ", ".join(parts)
+
+
 def numerics(model: nn.Module) -> dict[str, str | None]:
     """How `model` computes, recorded next to every result it produces (evaluation reports, the manifest, the
-    server's `/v1/models`, benchmark JSON): the prefill dtype and the native kernel build in use (None: torch's
-    ops)."""
-    return {"prefill_dtype": prefill_dtype_of(model), "native_kernels": kernels.isa()}
+    server's `/v1/models`, benchmark JSON): the prefill dtype, the native kernel build in use (None: torch's
+    ops) and the path prompt-sized products take."""
+    return {
+        "prefill_dtype": prefill_dtype_of(model),
+        "native_kernels": kernels.isa(),
+        "prompt_path": prompt_path(model),
+    }
 
 
 def _dense(x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

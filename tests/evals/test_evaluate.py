@@ -40,7 +40,7 @@ SCHEMA = {
     },
     "artifact": {"name", "version", "path"},
     "reference": {"id", "kind", "weights_sha256", "content_sha256"},
-    "numerics": {"prefill_dtype", "native_kernels"},
+    "numerics": {"prefill_dtype", "native_kernels", "prompt_path"},
     "mmlu": {"layout", "source", "sha256", "subjects", "questions", "shots", "limit"},
     "format": {
         "questions",

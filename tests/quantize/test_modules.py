@@ -221,3 +221,27 @@ def test_prefill_runs_in_float32_unless_set_whatever_the_cpu(scheme: Scheme, ker
         assert fused is not None and fused.prefill_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="prefill dtype must be one of float32, bfloat16"):
         set_prefill_dtype(model, "float16")
+
+
+def test_the_prompt_path_names_the_kernels_prompts_run_on(kernel_path: str) -> None:
+    """Evaluation reports and /v1/models say which kernels scored prompts: the native exact GEMMs by weight type,
+    or dequantize + GEMM in the prefill dtype, or torch's ops."""
+    from quantize.runtime.modules import numerics, prompt_path, set_prefill_dtype
+
+    torch.manual_seed(0)
+    weight = torch.randn(64, 64)
+    layers = []
+    for scheme in (Int8(), Int4(32)):
+        handler = handler_for(scheme)
+        layers.append(handler.build(scheme, handler.quantize(scheme, weight), None, torch.device("cpu")))
+    model = torch.nn.Sequential(*layers)
+    path = prompt_path(model)
+    if kernel_path == "native":
+        assert path.startswith("native exact, int16 activations: int8 ") and "int4 packed-nibble GEMM" in path
+    else:
+        assert path == "torch ops (dequantize + float32 GEMM)"
+    set_prefill_dtype(model, "bfloat16")
+    expected = "dequantize + bfloat16 GEMM"
+    assert prompt_path(model) == (expected if kernel_path == "native" else f"torch ops ({expected})")
+    assert numerics(model)["prompt_path"] == prompt_path(model)
+    assert prompt_path(torch.nn.Sequential(torch.nn.Linear(4, 4))) == "float32 GEMM (no quantized linears)"
