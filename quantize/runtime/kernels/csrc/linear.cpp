@@ -199,42 +199,45 @@ void lin_cols_i8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_
 }
 
 // The int4 product (linear.h) for prompt-sized activations, from the packed weights: per panel of kPanel weight
-// rows and per group, the group's nibbles minus its zero points are packed as int16 pairs (pack_panel_i4) and
-// the int8 GEMM's micro-kernel stores each row's exact group sums S_g in int32; they are added into double
-// totals as scale_g * S_g, group after group, which is the row kernel's order: the same bits.
+// rows, every group's nibbles minus its zero points are packed once as int16 pairs (pack_panel_i4; the panel of
+// the whole K stays in L2), then kTall activation rows at a time run the int8 GEMM's micro-kernel group after
+// group, which stores the group's exact sums S_g in int32, and add them into double totals as scale_g * S_g, in
+// group order: the row kernel's order, so the same bits. The totals of kTall rows stay in L1.
 void gemm_i4(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
   const uint8_t* w = static_cast<const uint8_t*>(L.w);
   const int64_t K = a.K, M = a.M, group = L.group, groups = K / group, pairs = group / 2;
-  std::vector<int16_t> panel(pairs * kPanel * 2);
-  std::vector<int32_t> sums(M * kPanel);
-  std::vector<double> total(M * kPanel);
-  alignas(32) double scale[kPanel];
+  const int64_t group_panel = pairs * kPanel * 2;  // int16 values of one group's packed panel
+  std::vector<int16_t> panel(groups * group_panel);
+  std::vector<double> scale(groups * kPanel);
+  alignas(32) int32_t sums[kTall * kPanel];
+  alignas(32) double total[kTall * kPanel];
+  float out[1];
   for (int64_t n = n0; n < n1; n += kPanel) {
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, n1 - n));
-    std::fill(total.begin(), total.end(), 0.0);
     for (int64_t g = 0; g < groups; ++g) {
-      pack_panel_i4(w, L.ldw, L.group_zero, groups, n, cols, g, pairs, panel.data());
-      for (int64_t m = 0; m < M; m += kTall) {
-        const int rows = static_cast<int>(std::min<int64_t>(kTall, M - m));
-        micro_i8_rows<kTall, int32_t>(rows, a.q + m * K + g * group, K, panel.data(), pairs,
-                                      sums.data() + m * kPanel);
-      }
-      for (int c = 0; c < kPanel; ++c) scale[c] = c < cols ? group_scale_of(L.group_scale[(n + c) * groups + g]) : 0.0;
-      for (int64_t m = 0; m < M; ++m) {
-        const int32_t* s = sums.data() + m * kPanel;
-        double* t = total.data() + m * kPanel;
-        for (int c = 0; c < kPanel; c += 4) {
-          const __m256d term = _mm256_cvtepi32_pd(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + c)));
-          _mm256_storeu_pd(t + c, _mm256_fmadd_pd(_mm256_load_pd(scale + c), term, _mm256_loadu_pd(t + c)));
-        }
-      }
+      pack_panel_i4(w, L.ldw, L.group_zero, groups, n, cols, g, pairs, panel.data() + g * group_panel);
+      for (int c = 0; c < kPanel; ++c)
+        scale[g * kPanel + c] = c < cols ? group_scale_of(L.group_scale[(n + c) * groups + g]) : 0.0;
     }
-    for (int64_t m = 0; m < M; ++m) {
-      float out[1];
-      for (int c = 0; c < cols; ++c) {
-        out[0] = static_cast<float>(total[m * kPanel + c]);
-        store_rows(L, n + c, out, a.scale, m, 1, y, ldy, accumulate);
+    for (int64_t m = 0; m < M; m += kTall) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTall, M - m));
+      std::fill(total, total + rows * kPanel, 0.0);
+      for (int64_t g = 0; g < groups; ++g) {
+        micro_i8_rows<kTall, int32_t>(rows, a.q + m * K + g * group, K, panel.data() + g * group_panel, pairs, sums);
+        const double* sg = scale.data() + g * kPanel;
+        for (int j = 0; j < rows; ++j)
+          for (int c = 0; c < kPanel; c += 4) {
+            const __m256d term =
+                _mm256_cvtepi32_pd(_mm_load_si128(reinterpret_cast<const __m128i*>(sums + j * kPanel + c)));
+            double* t = total + j * kPanel + c;
+            _mm256_store_pd(t, _mm256_fmadd_pd(_mm256_loadu_pd(sg + c), term, _mm256_load_pd(t)));
+          }
       }
+      for (int j = 0; j < rows; ++j)
+        for (int c = 0; c < cols; ++c) {
+          out[0] = static_cast<float>(total[j * kPanel + c]);
+          store_rows(L, n + c, out, a.scale, m + j, 1, y, ldy, accumulate);
+        }
     }
   }
 }
