@@ -76,6 +76,15 @@ class QuantLinear(nn.Module):
             "bias", None if bias is None else bias.detach().to(torch.float32), persistent=False
         )
 
+    def _native_rows(self, x2: torch.Tensor, native_prompts: bool) -> bool:
+        """Whether the native kernel computes these rows in one call (every row's result is defined whatever M):
+        not under autograd, and prompt-sized products only in float32 with `native_prompts` on (off: the
+        dequantize + GEMM baseline the benchmarks compare against)."""
+        if torch.is_grad_enabled() and x2.requires_grad:
+            return False
+        prompt = x2.shape[0] >= self.batch_invariant_rows
+        return not prompt or (native_prompts and self.prefill_dtype == torch.float32)
+
     def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -390,14 +399,10 @@ class Int8Linear(QuantLinear):
         return self._finish(y, x).reshape(*x.shape[:-1], self.out_features)
 
     def _native(self, x2: torch.Tensor) -> bool:
-        """Whether the native kernel computes these rows: any number of them (one call: every row's result is the
-        exact integer sum rounded once, whatever M), unless prompt-sized products were asked for in bf16, or
-        `native_prompts` is off (the dequantize + GEMM baseline benchmarks compare against)."""
-        if not kernels.ready() or x2.device.type != "cpu" or (torch.is_grad_enabled() and x2.requires_grad):
-            return False
-        rows = x2.shape[0]
-        prompt = rows >= self.batch_invariant_rows
-        return not prompt or (Int8Linear.native_prompts and self.prefill_dtype == torch.float32)
+        """Whether the native kernel computes these rows (`_native_rows`; the kernels loaded, a CPU tensor)."""
+        return (
+            kernels.ready() and x2.device.type == "cpu" and self._native_rows(x2, Int8Linear.native_prompts)
+        )
 
     def decode_part(self) -> kernels.Part | None:
         return self.qweight, self.scale, self.bias, None
@@ -505,7 +510,7 @@ class Int4Linear(QuantLinear):
             y = torch.ops.aten._weight_int4pack_mm(
                 x2.to(torch.bfloat16), packed, self.group_size, scale_and_zeros
             )
-        elif native_ok and self._native(x2):
+        elif native_ok and self._native_rows(x2, Int4Linear.native_prompts):
             y = kernels.linear(x2.to(torch.float32), self.qweight, self.scale, None, self.zero_point)
         elif native_ok:
             weight = _scratch(torch.Size((self.qweight.shape[0], self.in_features)), self.qweight.device)
@@ -523,15 +528,6 @@ class Int4Linear(QuantLinear):
             )
         y = y[:, : self.out_features]
         return self._finish(y.to(torch.float32), x).reshape(*x.shape[:-1], self.out_features)
-
-    def _native(self, x2: torch.Tensor) -> bool:
-        """Whether the native kernel computes these rows: any number of them in one call (the row kernel for a
-        few, the packed-int4 GEMM for prompts; the same bits for a row either way), unless prompt-sized products
-        were asked for in bf16, or `native_prompts` is off (the dequantize + GEMM baseline of the benchmarks)."""
-        if torch.is_grad_enabled() and x2.requires_grad:
-            return False
-        prompt = x2.shape[0] >= self.batch_invariant_rows
-        return not prompt or (Int4Linear.native_prompts and self.prefill_dtype == torch.float32)
 
     def decode_part(self) -> kernels.Part | None:
         return (self.qweight, self.scale, self.bias, self.zero_point) if self.native_ok() else None

@@ -183,22 +183,22 @@ inline void pack_panel_i8(const int8_t* w, int64_t ldw, int64_t n, int cols, int
   }
 }
 
+// kVec bytes of an int4 row (each the nibbles of two inputs) as kVec int32 lanes, each the pair (low - zero,
+// high - zero) as two int16: what pack_panel_i8's widen_pairs gives for two int8 inputs.
 #ifdef QPACK_AVX512
-inline __m512i widen_bytes(const uint8_t* p) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m512i nibble_pairs(__m512i bytes, __m512i zero) {
-  const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), zero);
-  const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), zero);
+inline __m512i nibble_pairs(const uint8_t* p, int32_t zero) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i z = _mm512_set1_epi32(zero);
+  const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), z);
+  const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), z);
   return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(hi, 16));
 }
 #else
-inline __m256i widen_bytes(const uint8_t* p) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256i nibble_pairs(__m256i bytes, __m256i zero) {
-  const __m256i lo = _mm256_sub_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), zero);
-  const __m256i hi = _mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), zero);
+inline __m256i nibble_pairs(const uint8_t* p, int32_t zero) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i z = _mm256_set1_epi32(zero);
+  const __m256i lo = _mm256_sub_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), z);
+  const __m256i hi = _mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), z);
   return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(hi, 16));
 }
 #endif
@@ -215,19 +215,7 @@ inline void pack_panel_i4(const uint8_t* w, int64_t ldw, const uint8_t* zero, in
       Vec v[kVec];
       for (int i = 0; i < kVec; ++i) {
         const int64_t row = n + c0 + i;
-        if (c0 + i < cols) {
-#ifdef QPACK_AVX512
-          v[i] = nibble_pairs(widen_bytes(w + row * ldw + g * pairs + p), _mm512_set1_epi32(zero[row * groups + g]));
-#else
-          v[i] = nibble_pairs(widen_bytes(w + row * ldw + g * pairs + p), _mm256_set1_epi32(zero[row * groups + g]));
-#endif
-        } else {
-#ifdef QPACK_AVX512
-          v[i] = _mm512_setzero_si512();
-#else
-          v[i] = _mm256_setzero_si256();
-#endif
-        }
+        v[i] = c0 + i < cols ? nibble_pairs(w + row * ldw + g * pairs + p, zero[row * groups + g]) : Vec{};
       }
       transpose_lanes(v);
       for (int e = 0; e < kVec; ++e) store_vec(panel + ((p + e) * kPanel + c0) * 2, v[e]);
