@@ -137,6 +137,9 @@ def _load(target: str) -> tuple[torch.nn.Module, Any]:
 
     path = Path(target).expanduser()
     if (path / "manifest.json").is_file():
+        from quantize.runtime.kernels import ops as kernels
+
+        kernels.enable()  # as `qpack evaluate` and a server run the artifact (built once per machine)
         loaded = load_artifact(path)
         return loaded.model, load_tokenizer(path, loaded.manifest.get("tokenizer_class"))
     source = resolve_model(target)

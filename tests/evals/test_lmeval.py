@@ -95,3 +95,13 @@ def test_rolling_log_likelihood_and_generation(adapter, tiny_qwen2_artifact: Pat
         [Instance("generate_until", {}, ("Once upon", {"until": ["\n"], "max_gen_toks": 5}), 0)]
     )
     assert isinstance(generated, str) and "\n" not in generated
+
+
+def test_the_adapter_scores_on_the_native_kernels_as_evaluate_does(adapter) -> None:
+    """What lm-eval scores is what is served: loading an artifact loads qpack's native kernels, as `qpack
+    evaluate` and `qpack serve` do (where this machine can build them)."""
+    from quantize.runtime.kernels import ops as kernels
+
+    assert kernels.ready() or kernels.unavailable_reason() is not None
+    if kernels.unavailable_reason() is None:
+        assert kernels.isa() is not None
