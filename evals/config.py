@@ -81,8 +81,8 @@ class EvaluateConfig:
     max_questions: int | None = None
     """Sequential: fail a gate still undecided after N questions (a time cap)."""
     prefill_dtype: str = DEFAULT_PREFILL_DTYPE
-    """Precision of the artifact's prefill-sized GEMMs, as `qpack serve` runs them: float32 or bfloat16 (the
-    reference always runs float32)."""
+    """Precision of the artifact's prefill-sized products, as `qpack serve` runs them: float32, bfloat16 or
+    int8 (int8 activations per token; the reference always runs float32)."""
 
     @property
     def is_sequential(self) -> bool:

@@ -33,7 +33,7 @@ class DecodeConfig:
     compile: bool = False
     """Run the artifact with its torch.compile'd decode step (as `serve --compile`)."""
     prefill_dtype: str = DEFAULT_PREFILL_DTYPE
-    """Precision of the artifact's prefill-sized GEMMs: float32 or bfloat16 (as `serve --prefill-dtype`)."""
+    """Precision of the artifact's prefill-sized products: float32, bfloat16 or int8 (as `serve --prefill-dtype`)."""
     speculative: str = "off"
     """Speculative decoding on the artifact (ngram, draft or auto, as `serve --speculative`): it then also runs
     without, alternating, and the prompts are ShareGPT text instead of random ids (proposals need real text)."""

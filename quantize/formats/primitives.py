@@ -98,6 +98,17 @@ def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale
 
 
+def round_rows(x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x [M, K] rounded to integers |q| <= top against its largest magnitude, as the native kernels
+    round activations (csrc/linear.h `Act`; top 32767: int16, 127: int8): q = round_half_even(x * (top / peak))
+    in float32, scale = peak / top (x ~= q * scale; a zero row is all zeros, scale 0) -> q [M, K] float32 (integer
+    valued), scale [M, 1] float32."""
+    x = x.to(torch.float32)
+    peak = x.abs().amax(dim=1, keepdim=True)
+    inverse = torch.where(peak > 0, torch.tensor(float(top)) / peak, torch.zeros_like(peak))
+    return torch.round(x * inverse), peak / float(top)
+
+
 def smoothquant_scale(act_abs_max: torch.Tensor, weight_abs_max: torch.Tensor, alpha: float) -> torch.Tensor:
     """SmoothQuant migration s_j = max|X_j|^alpha / max|W_j|^(1 - alpha); X / s and W * s keep X W^T exact.
 

@@ -27,6 +27,10 @@ Kernels, by weight type and number of activation rows M:
   kernel or the CPU. With `prefill_dtype` bf16, prompts dequantize natively and run a bf16 GEMM. Without the
   native kernels, `aten._weight_int4pack_mm_for_cpu` on CPU, `aten._weight_int4pack_mm` on CUDA, with our
   asymmetric zero point mapped exactly onto the kernels' `(q - 8) * scale + zero` form.
+- `prefill_dtype` int8 (opt-in; `quantize.runtime.precision`): prompt-sized products of int8 and int4 weights
+  round each activation row to int8 instead of int16, on the same native kernels and the same exact-sum
+  definition (int4 then runs `vpmaddubsw`, half the multiplies); decode rows keep int16. Without the kernels the
+  same rounding feeds a float32 GEMM of the dequantized weight.
 - torch's weight-only kernels are matrix-vector loops whose CPU time grows linearly with M, so from
   `dense_min_rows` rows (prefill, evaluation) the weight is dequantized for that call into a reused buffer and
   a dense GEMM runs instead, in the module's `prefill_dtype` (float32 unless set): int8 crosses over at ~48
@@ -78,12 +82,18 @@ class QuantLinear(nn.Module):
 
     def _native_rows(self, x2: torch.Tensor, native_prompts: bool) -> bool:
         """Whether the native kernel computes these rows in one call (every row's result is defined whatever M):
-        not under autograd, and prompt-sized products only in float32 with `native_prompts` on (off: the
+        not under autograd, and prompt-sized products only in float32 or int8 with `native_prompts` on (off: the
         dequantize + GEMM baseline the benchmarks compare against)."""
         if torch.is_grad_enabled() and x2.requires_grad:
             return False
         prompt = x2.shape[0] >= self.batch_invariant_rows
-        return not prompt or (native_prompts and self.prefill_dtype == torch.float32)
+        return not prompt or (native_prompts and self.prefill_dtype in (torch.float32, torch.int8))
+
+    def _activation_bits(self, x2: torch.Tensor) -> int:
+        """What the native kernel rounds these activation rows to: int8 for a prompt-sized product with
+        `prefill_dtype` int8, else int16 (the exact default)."""
+        prompt = x2.shape[0] >= self.batch_invariant_rows
+        return 8 if prompt and self.prefill_dtype == torch.int8 else 16
 
     def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
@@ -249,17 +259,22 @@ def prompt_path(model: nn.Module) -> str:
     if not kinds:
         return "float32 GEMM (no quantized linears)"
     dtype = prefill_dtype_of(model)
+    dense = (
+        "int8 activations + dequantize + float32 GEMM" if dtype == "int8" else f"dequantize + {dtype} GEMM"
+    )
     if not kernels.ready():
-        return f"torch ops (dequantize + {dtype} GEMM)"
+        return f"torch ops ({dense})"
     native = {Int8Linear: Int8Linear.native_prompts, Int4Linear: Int4Linear.native_prompts}
-    if dtype != "float32" or not any(native.get(kind, False) for kind in kinds):
-        return f"dequantize + {dtype} GEMM"
+    if dtype not in ("float32", "int8") or not any(native.get(kind, False) for kind in kinds):
+        return dense
     parts = []
     if native.get(Int8Linear) and Int8Linear in kinds:
         parts.append("int8 on AMX tiles" if kernels.amx() else f"int8 packed-panel GEMM ({kernels.isa()})")
     if native.get(Int4Linear) and Int4Linear in kinds:
-        parts.append(f"int4 packed-nibble GEMM ({kernels.isa()})")
-    return "native exact, int16 activations: " + ", ".join(parts)
+        kernel = "vpmaddubsw nibble GEMM" if dtype == "int8" else "packed-nibble GEMM"
+        parts.append(f"int4 {kernel} ({kernels.isa()})")
+    activations = "int8 activations per token" if dtype == "int8" else "int16 activations"
+    return f"native exact, {activations}: " + ", ".join(parts)
 
 
 def numerics(model: nn.Module) -> dict[str, str | None]:
@@ -274,7 +289,11 @@ def numerics(model: nn.Module) -> dict[str, str | None]:
 
 
 def _dense(x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x2 [M, K] @ weight [N, K]^T (weight float32, dequantized) -> [M, N] float32, multiplied in `dtype`."""
+    """x2 [M, K] @ weight [N, K]^T (weight float32, dequantized) -> [M, N] float32, multiplied in `dtype` (int8:
+    each row of x2 rounded to int8 as the native kernels round it, then a float32 GEMM)."""
+    if dtype == torch.int8:
+        q, scale = P.round_rows(x2, P.INT8_MAX)
+        return F.linear(q, weight) * scale
     if dtype == torch.float32 or x2.is_cuda:
         return F.linear(x2.to(torch.float32), weight)
     return F.linear(x2.to(dtype), weight.to(dtype)).to(torch.float32)
@@ -390,7 +409,9 @@ class Int8Linear(QuantLinear):
         if x.is_cuda:
             y = _cuda_int8_mm(x2, qweight, self.scale)
         elif self._native(x2):
-            y = kernels.linear(x2.to(torch.float32), self.qweight, self.scale)
+            y = kernels.linear(
+                x2.to(torch.float32), self.qweight, self.scale, activation_bits=self._activation_bits(x2)
+            )
         elif x2.shape[0] >= self.dense_min_rows:
             weight = P.dequantize_int8(qweight, self.scale, out=_scratch(qweight.shape, qweight.device))
             y = _dense(x2, weight, self.prefill_dtype)
@@ -511,12 +532,19 @@ class Int4Linear(QuantLinear):
                 x2.to(torch.bfloat16), packed, self.group_size, scale_and_zeros
             )
         elif native_ok and self._native_rows(x2, Int4Linear.native_prompts):
-            y = kernels.linear(x2.to(torch.float32), self.qweight, self.scale, None, self.zero_point)
+            y = kernels.linear(
+                x2.to(torch.float32),
+                self.qweight,
+                self.scale,
+                None,
+                self.zero_point,
+                self._activation_bits(x2),
+            )
         elif native_ok:
             weight = _scratch(torch.Size((self.qweight.shape[0], self.in_features)), self.qweight.device)
             kernels.dequantize_int4(self.qweight, self.scale, self.zero_point, weight)
             y = _dense(x2, weight, self.prefill_dtype)
-        elif x2.shape[0] >= self.dense_min_rows:
+        elif x2.shape[0] >= self.dense_min_rows or self._activation_bits(x2) == 8:
             weight = P.dequantize_int4(
                 P.unpack_int4(self.qweight), self.scale, self.zero_point, self.group_size
             )

@@ -182,7 +182,7 @@ def test_the_prefill_dtype_asked_for_is_the_one_evaluated_and_recorded(
     }
     kl = {d: r.heldout.kl for d, r in runs.items() if r.heldout is not None}
     assert len(kl) == 2 and kl["float32"] != kl["bfloat16"]
-    with pytest.raises(ConfigError, match="prefill_dtype must be one of float32, bfloat16"):
+    with pytest.raises(ConfigError, match="prefill_dtype must be one of float32, bfloat16, int8"):
         evaluate(dataclasses.replace(config, prefill_dtype="float16"))
 
 

@@ -219,7 +219,7 @@ def test_prefill_runs_in_float32_unless_set_whatever_the_cpu(scheme: Scheme, ker
         assert ((bfloat16.double() - exact).abs() <= gemm_error_bound(x, dequantized, torch.bfloat16)).all()
         fused = fuse_linears(list(model))
         assert fused is not None and fused.prefill_dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="prefill dtype must be one of float32, bfloat16"):
+    with pytest.raises(ValueError, match="prefill dtype must be one of float32, bfloat16, int8"):
         set_prefill_dtype(model, "float16")
 
 
@@ -244,4 +244,11 @@ def test_the_prompt_path_names_the_kernels_prompts_run_on(kernel_path: str) -> N
     expected = "dequantize + bfloat16 GEMM"
     assert prompt_path(model) == (expected if kernel_path == "native" else f"torch ops ({expected})")
     assert numerics(model)["prompt_path"] == prompt_path(model)
+    set_prefill_dtype(model, "int8")
+    if kernel_path == "native":
+        assert prompt_path(model).startswith("native exact, int8 activations per token: int8 ")
+        assert "int4 vpmaddubsw nibble GEMM" in prompt_path(model)
+    else:
+        assert prompt_path(model) == "torch ops (int8 activations + dequantize + float32 GEMM)"
+    assert numerics(model)["prefill_dtype"] == "int8"
     assert prompt_path(torch.nn.Sequential(torch.nn.Linear(4, 4))) == "float32 GEMM (no quantized linears)"

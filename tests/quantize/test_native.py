@@ -145,15 +145,23 @@ def test_prompt_sized_products_equal_each_row_alone_across_tiles_and_threads(kin
         torch.set_num_threads(threads)
 
 
-def _exact_int8_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What the int8 kernels define, computed independently: each row rounded to int16 (half to even) against
+def _rounded_rows(x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row rounded to integers |q| <= top (half to even) against its largest magnitude, computed here
+    independently of the kernels: q int64 [M, K], the row scales peak / top [M]."""
+    peak = x.abs().amax(1)
+    inverse = torch.where(peak > 0, torch.tensor(float(top)) / peak, torch.zeros_like(peak))
+    return torch.round(x * inverse[:, None]).to(torch.int64), peak / float(top)
+
+
+def _exact_int8_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, top: int = 32767
+) -> torch.Tensor:
+    """What the int8 kernels define, computed independently: each row rounded to int16 (or int8: top 127) against
     its largest magnitude, the integer products summed exactly (int64 matmul), the sum rounded to float once,
     then times the row's and the weight row's scales."""
-    peak = x.abs().amax(1)
-    inverse = torch.where(peak > 0, torch.tensor(32767.0) / peak, torch.zeros_like(peak))
-    q = torch.round(x * inverse[:, None]).to(torch.int64)
+    q, row_scale = _rounded_rows(x, top)
     exact = q @ qweight[:, : x.shape[1]].to(torch.int64).T
-    return exact.to(torch.float32) * ((peak / 32767.0)[:, None] * scale[None, :])
+    return exact.to(torch.float32) * (row_scale[:, None] * scale[None, :])
 
 
 @pytest.mark.parametrize("k", [2090, 2091])
@@ -174,21 +182,21 @@ def test_int8_products_are_the_exact_integer_sum_rounded_once(rows: int, k: int,
     assert torch.equal(kernels.linear(x, qweight, scale), _exact_int8_reference(x, qweight, scale))
 
 
-def _exact_int4_reference(x: torch.Tensor, tensors: dict[str, torch.Tensor], group: int) -> torch.Tensor:
-    """What the int4 kernels define, computed independently: each row rounded to int16 as for int8; per group the
-    exact integer sum of the activations times (q - zero point) (int64 matmul); the groups' scale * sum terms
-    added in order in float64 (each term exact there); rounded to float once, then times the row's scale."""
+def _exact_int4_reference(
+    x: torch.Tensor, tensors: dict[str, torch.Tensor], group: int, top: int = 32767
+) -> torch.Tensor:
+    """What the int4 kernels define, computed independently: each row rounded to int16 (or int8) as for int8; per
+    group the exact integer sum of the activations times (q - zero point) (int64 matmul); the groups' scale * sum
+    terms added in order in float64 (each term exact there); rounded to float once, then times the row's scale."""
     q = P.unpack_int4(tensors["qweight"]).to(torch.int64)
     zero, scale = tensors["zero_point"].to(torch.int64), tensors["scale"].to(torch.float64)
-    peak = x.abs().amax(1)
-    inverse = torch.where(peak > 0, torch.tensor(32767.0) / peak, torch.zeros_like(peak))
-    a = torch.round(x * inverse[:, None]).to(torch.int64)
+    a, row_scale = _rounded_rows(x, top)
     total = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float64)
     for g in range(x.shape[1] // group):
         inputs = slice(g * group, (g + 1) * group)
         exact = a[:, inputs] @ (q[:, inputs] - zero[:, g : g + 1]).T
         total = total + scale[:, g][None, :] * exact.to(torch.float64)
-    return total.to(torch.float32) * (peak / 32767.0)[:, None]
+    return total.to(torch.float32) * row_scale[:, None]
 
 
 @pytest.mark.parametrize("group", [32, 64, 128, 96])
@@ -234,6 +242,58 @@ def test_the_largest_int4_group_sums_exactly_at_its_extremes(rows: int, isa: str
             None,
             tensors["zero_point"][:, :1].contiguous(),
         )
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 96])
+@pytest.mark.parametrize("rows", [1, 13, 47, 48, 131])
+def test_int8_activations_match_quantize_then_integer_matmul_exactly(rows: int, group: int, isa: str) -> None:
+    """`--prefill-dtype int8` (activation_bits 8): each activation row rounded to int8 against its peak, then the
+    same exact definitions as the int16 path. Bit for bit against rounding here and an int64 matmul: int4 on its
+    row kernel (below 48 rows) and on the `vpmaddubsw` GEMM over raw nibbles (from 48), where the zero point is
+    subtracted as zero * sum(q) per group; nibbles 0 and 15 and activations at the peak (|q| = 127) fill the int16
+    pair sums as full as they get; int8 weights (-127 .. 127) on every kernel."""
+    generator = torch.Generator().manual_seed(rows * 1000 + group)
+    n, k = 29, group * 11
+    weight = torch.randn(n, k, generator=generator)
+    weight[0, ::2], weight[0, 1::2] = -1.0, 1.0
+    tensors = Int4Handler().quantize(Int4(group_size=group), weight)
+    x = torch.randn(rows, k, generator=generator)
+    x[:, :group] = x[:, :group].sign() * 40
+    got = kernels.linear(x, tensors["qweight"], tensors["scale"], None, tensors["zero_point"], 8)
+    assert torch.equal(got, _exact_int4_reference(x, tensors, group, top=127))
+    qweight = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+    scale = torch.rand(n, generator=generator) / 100 + 1e-4
+    got = kernels.linear(x, qweight, scale, activation_bits=8)
+    assert torch.equal(got, _exact_int8_reference(x, qweight, scale, top=127))
+    with pytest.raises(RuntimeError, match="activation_bits: 16 or 8"):
+        kernels.linear(x, qweight, scale, activation_bits=4)
+
+
+def test_int8_activation_prompts_equal_each_row_alone_across_tiles_and_threads(isa: str) -> None:
+    """With int8 activations an int4 row is the same bits whatever M, tile or thread count, row kernel (below 48
+    rows) or `vpmaddubsw` GEMM (from 48; 4-row tiles and 24-row panels, N leaving partial ones): every M from 1 to
+    300 on 1 and 2 threads against each row alone."""
+    generator = torch.Generator().manual_seed(12)
+    n, k = 53, 2112
+    tensors = Int4Handler().quantize(Int4(group_size=64), torch.randn(n, k, generator=generator))
+    args = (
+        tensors["qweight"],
+        tensors["scale"],
+        torch.randn(n, generator=generator),
+        tensors["zero_point"],
+        8,
+    )
+    x = torch.randn(300, k, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([kernels.linear(x[i : i + 1], *args) for i in range(x.shape[0])])
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (*range(1, 60), *range(60, 301, 7), 300):
+                assert torch.equal(kernels.linear(x[:rows], *args), alone[:rows]), (rows, count)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_both_builds_compute_the_same_int8_bits() -> None:
@@ -308,6 +368,42 @@ def test_int4_weights_match_their_dequantized_form(rows: int, group_size: int, i
             torch.testing.assert_close(module(x).double(), got, rtol=1e-6, atol=1e-5)  # routed to the kernel
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_int8_prefill_rounds_prompt_activations_to_int8_and_decode_rows_to_int16(kind: str, isa: str) -> None:
+    """A module with prefill dtype int8 runs prompt-sized products (>= 48 rows) on the kernels with int8
+    activations and decode-sized ones with int16, bit for bit as the kernels define them; without the kernels
+    its prompts round the activations the same way and run a float32 GEMM of the dequantized weight, within that
+    GEMM's rounding of the same exact product."""
+    x, tensors, dequantized, bias = _int4_case(150, 64)
+    module: Int4Linear | Int8Linear
+    if kind == "int4":
+        module = Int4Linear(
+            Int4(group_size=64), tensors["qweight"], tensors["scale"], tensors["zero_point"], bias
+        )
+        args: tuple[torch.Tensor | None, ...] = (
+            tensors["qweight"],
+            tensors["scale"],
+            None,
+            tensors["zero_point"],
+        )
+    else:
+        scale = dequantized.abs().amax(1) / 127
+        qweight = torch.round(dequantized / scale[:, None]).to(torch.int8)
+        module, args = Int8Linear(Int8(), qweight, scale, bias), (qweight, scale)
+        dequantized = qweight.float() * scale[:, None]
+    module.prefill_dtype = PREFILL_DTYPES["int8"]
+    with torch.inference_mode():  # the module adds its bias after the kernel
+        assert torch.equal(module(x), kernels.linear(x, *args, activation_bits=8) + bias)
+        assert torch.equal(module(x[:5]), kernels.linear(x[:5], *args) + bias)
+        assert not torch.equal(module(x), kernels.linear(x, *args) + bias)
+        with kernels.forced(None):
+            fallback = module(x).double()
+    q, row_scale = _rounded_rows(x, 127)
+    rounded = q.double() * row_scale.double()[:, None]
+    exact = F.linear(rounded, dequantized.double(), bias.double())
+    assert ((fallback - exact).abs() <= gemm_error_bound(rounded.float(), dequantized, torch.float32)).all()
+
+
 @pytest.mark.parametrize("prefill_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("group_size", [32, 64])
 def test_int4_prefill_runs_the_packed_gemm_or_the_dequantized_form_in_its_dtype(
@@ -375,9 +471,9 @@ def test_quantized_modules_route_small_batches_and_stay_exact(isa: str) -> None:
     calls = []
     real = kernels.linear
 
-    def spy(*args: torch.Tensor) -> torch.Tensor:
+    def spy(*args: torch.Tensor, **kwargs: int) -> torch.Tensor:
         calls.append(args[0].shape[0])
-        return real(*args)
+        return real(*args, **kwargs)
 
     kernels.linear = spy  # type: ignore[assignment]
     try:

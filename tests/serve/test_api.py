@@ -384,7 +384,7 @@ def test_the_prefill_dtype_is_set_on_the_model_and_keys_its_kv(tiny_qwen2_artifa
         assert quantized and {str(m.prefill_dtype) for m in quantized} == {f"torch.{dtype}"}
         assert engine.numerics()["prefill_dtype"] == dtype
     assert engines["float32"].namespace != engines["bfloat16"].namespace
-    with pytest.raises(Exception, match="prefill dtype must be one of float32, bfloat16"):
+    with pytest.raises(Exception, match="prefill dtype must be one of float32, bfloat16, int8"):
         build_engine(load_for_serving(str(tiny_qwen2_artifact)), EngineConfig(prefill_dtype="fp8"))
 
 

@@ -188,10 +188,14 @@ def linear(
     scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     zero_point: torch.Tensor | None = None,
+    activation_bits: int = 16,
 ) -> torch.Tensor:
     """x [M, K] float32 @ weight[:, :K].T (float32/int8/bfloat16) * scale[N] + bias[N] -> [M, N] float32; with
     `zero_point`, weight is int4 [N, K/2] uint8 (low nibble first) dequantized per group as (q - zero_point)
     * scale (both [N, K/g], scale float16, g a multiple of 32).
+    int8 and int4 weights multiply each activation row rounded to `activation_bits` (16: |q| <= 32767, exact to
+    ~1e-5 of the row's peak; 8: |q| <= 127, what `--prefill-dtype int8` runs prompts on), the products summed
+    exactly (csrc/linear.h).
     Eager calls go straight to the extension (no dispatcher round trip: a decode step makes ~120 of them);
     inside torch.compile it is the opaque custom op `qpack::small_batch_linear`."""
     empty = x.new_empty(0)
@@ -203,20 +207,30 @@ def linear(
         empty if zero_point is None else zero_point,
     )
     if torch.compiler.is_compiling():
-        return _small_batch_linear(*args)
-    return _kernels().linear(*args)
+        return _small_batch_linear(*args, activation_bits)
+    return _kernels().linear(*args, activation_bits)
 
 
 @torch.library.custom_op("qpack::small_batch_linear", mutates_args=())
 def _small_batch_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, zero_point: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    zero_point: torch.Tensor,
+    activation_bits: int,
 ) -> torch.Tensor:
-    return _kernels().linear(x, weight, scale, bias, zero_point)
+    return _kernels().linear(x, weight, scale, bias, zero_point, activation_bits)
 
 
 @_small_batch_linear.register_fake
 def _(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, zero_point: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    zero_point: torch.Tensor,
+    activation_bits: int,
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 

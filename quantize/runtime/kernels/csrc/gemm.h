@@ -101,7 +101,27 @@ inline void micro_i8_rows(int rows, const int16_t* a, int64_t lda, const int16_t
   micro_i8<T, S>(a, lda, panel, pairs, sums);
 }
 
-// The transpose of 16 (AVX-512) or 8 (AVX2) vectors of 32-bit elements: v[i] element e becomes v[e] element i.
+// The transpose of 8 (AVX2, in every build) or 16 (AVX-512) vectors of 32-bit elements: v[i] element e becomes
+// v[e] element i.
+inline void transpose_lanes(__m256i (&v)[8]) {
+  __m256i t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  // v[r + c], r = 0, 4: in each 128-bit lane L, element 4L + c of rows r .. r + 3.
+  for (int r = 0; r < 8; r += 4) {
+    v[r] = _mm256_unpacklo_epi64(t[r], t[r + 2]);
+    v[r + 1] = _mm256_unpackhi_epi64(t[r], t[r + 2]);
+    v[r + 2] = _mm256_unpacklo_epi64(t[r + 1], t[r + 3]);
+    v[r + 3] = _mm256_unpackhi_epi64(t[r + 1], t[r + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm256_permute2x128_si256(v[c], v[c + 4], 0x20);
+    t[c + 4] = _mm256_permute2x128_si256(v[c], v[c + 4], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) v[i] = t[i];
+}
 #ifdef QPACK_AVX512
 inline void transpose_lanes(__m512i (&v)[kVec]) {
   __m512i t[kVec];
@@ -133,25 +153,6 @@ inline __m512i widen_pairs(const int8_t* p) {
 }
 inline void store_vec(int16_t* p, __m512i v) { _mm512_storeu_si512(p, v); }
 #else
-inline void transpose_lanes(__m256i (&v)[kVec]) {
-  __m256i t[kVec];
-  for (int i = 0; i < kVec; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
-    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
-  }
-  // v[r + c], r = 0, 4: in each 128-bit lane L, element 4L + c of rows r .. r + 3.
-  for (int r = 0; r < kVec; r += 4) {
-    v[r] = _mm256_unpacklo_epi64(t[r], t[r + 2]);
-    v[r + 1] = _mm256_unpackhi_epi64(t[r], t[r + 2]);
-    v[r + 2] = _mm256_unpacklo_epi64(t[r + 1], t[r + 3]);
-    v[r + 3] = _mm256_unpackhi_epi64(t[r + 1], t[r + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    t[c] = _mm256_permute2x128_si256(v[c], v[c + 4], 0x20);
-    t[c + 4] = _mm256_permute2x128_si256(v[c], v[c + 4], 0x31);
-  }
-  for (int i = 0; i < kVec; ++i) v[i] = t[i];
-}
 inline __m256i widen_pairs(const int8_t* p) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }

@@ -8,6 +8,7 @@
 
 #include "amx.h"
 #include "gemm.h"
+#include "gemm_a8.h"
 #include "ops.h"
 #include "tiles.h"
 
@@ -242,7 +243,65 @@ void gemm_i4(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1
   }
 }
 
+// The int4 product for prompt-sized int8 activations (gemm_a8.h): per panel of kPanelA8 weight rows the raw
+// nibbles of the whole K are packed once, then kTallA8 activation rows at a time take each group's exact int32
+// sums of q * nibble, subtract zero * sum_g q (the row kernel's fold_groups does the same) and add scale_g * S_g
+// into double totals in group order: the int4 definition (linear.h), so the same bits as the row kernel computes
+// from the same int8-valued activations.
+void gemm_i4_a8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
+  const uint8_t* w = static_cast<const uint8_t*>(L.w);
+  const int64_t K = a.K, M = a.M, group = L.group, groups = K / group;
+  std::vector<uint8_t> panel(K * kPanelA8);
+  std::vector<double> scale(groups * kPanelA8);
+  std::vector<int32_t> zero(groups * kPanelA8);
+  alignas(32) int32_t sums[kTallA8 * kPanelA8];
+  alignas(32) double total[kTallA8 * kPanelA8];
+  float out[1];
+  for (int64_t n = n0; n < n1; n += kPanelA8) {
+    const int cols = static_cast<int>(std::min<int64_t>(kPanelA8, n1 - n));
+    pack_panel_a8(w, L.ldw, n, cols, K, panel.data());
+    for (int64_t g = 0; g < groups; ++g)
+      for (int c = 0; c < kPanelA8; ++c) {
+        scale[g * kPanelA8 + c] = c < cols ? group_scale_of(L.group_scale[(n + c) * groups + g]) : 0.0;
+        zero[g * kPanelA8 + c] = c < cols ? L.group_zero[(n + c) * groups + g] : 0;
+      }
+    for (int64_t m = 0; m < M; m += kTallA8) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTallA8, M - m));
+      std::fill(total, total + rows * kPanelA8, 0.0);
+      for (int64_t g = 0; g < groups; ++g) {
+        micro_a8_rows(rows, a.q8 + m * K + g * group, K, panel.data() + g * group * kPanelA8, group / 4, sums);
+        const double* sg = scale.data() + g * kPanelA8;
+        const int32_t* zg = zero.data() + g * kPanelA8;
+        for (int j = 0; j < rows; ++j) {
+          const __m256i gsum = _mm256_set1_epi32(a.group_sum[(m + j) * groups + g]);
+          for (int c = 0; c < kPanelA8; c += 8) {
+            const __m256i exact = _mm256_sub_epi32(
+                _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + j * kPanelA8 + c)),
+                _mm256_mullo_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zg + c)), gsum));
+            double* t = total + j * kPanelA8 + c;
+            _mm256_store_pd(t, _mm256_fmadd_pd(_mm256_loadu_pd(sg + c), _mm256_cvtepi32_pd(_mm256_castsi256_si128(exact)),
+                                               _mm256_load_pd(t)));
+            _mm256_store_pd(t + 4, _mm256_fmadd_pd(_mm256_loadu_pd(sg + c + 4),
+                                                   _mm256_cvtepi32_pd(_mm256_extracti128_si256(exact, 1)),
+                                                   _mm256_load_pd(t + 4)));
+          }
+        }
+      }
+      for (int j = 0; j < rows; ++j)
+        for (int c = 0; c < cols; ++c) {
+          out[0] = static_cast<float>(total[j * kPanelA8 + c]);
+          store_rows(L, n + c, out, a.scale, m + j, 1, y, ldy, accumulate);
+        }
+    }
+  }
+}
+
 void lin_cols_i4(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1, bool accumulate) {
+  if (a.M >= kGemmMinRows && a.q8 != nullptr) {
+    a.quantize();
+    a.sum_groups(L.group);
+    return gemm_i4_a8(L, a, y, ldy, n0, n1, accumulate);
+  }
   if (a.M >= kGemmMinRows) {
     a.quantize();
     return gemm_i4(L, a, y, ldy, n0, n1, accumulate);
@@ -330,8 +389,10 @@ void prefetch_rows(const Proj& P, int64_t n) {
 // x [M, K] float32; weight [N, >= K] (float32, int8 or bfloat16, rows contiguous) with scale [N] float32 or
 // empty, or int4 weight [N, K/2] uint8 with scale [N, K/g] float16 and zero_point [N, K/g] uint8; bias [N]
 // float32 or empty -> [M, N] float32.
-at::Tensor linear(at::Tensor x, at::Tensor weight, at::Tensor scale, at::Tensor bias, at::Tensor zero_point) {
+at::Tensor linear(at::Tensor x, at::Tensor weight, at::Tensor scale, at::Tensor bias, at::Tensor zero_point,
+                  int64_t activation_bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: [M, K] float32");
+  TORCH_CHECK(activation_bits == 16 || activation_bits == 8, "activation_bits: 16 or 8, not ", activation_bits);
   const Lin L = as_lin(weight, scale, bias, zero_point);
   const int64_t M = x.size(0), K = x.size(1), N = L.N;
   TORCH_CHECK(L.K == K || (L.K > K && L.kind != at::kByte), "weight holds ", L.K, " inputs, x has ", K);
@@ -340,15 +401,20 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, at::Tensor scale, at::Tensor 
   float* yp = y.data_ptr<float>();
   const bool integer = L.kind == at::kChar || L.kind == at::kByte;
   const bool rows4 = L.kind == at::kByte && M < kGemmMinRows;  // the int4 row kernel's activations
+  const bool bytes8 = L.kind == at::kByte && !rows4 && activation_bits == 8;  // gemm_i4_a8's
   std::vector<int16_t> q(integer ? M * K : 0), q4(rows4 ? M * K : 0);
-  std::vector<int32_t> group_sum(rows4 ? M * (K / 32) : 0);
+  std::vector<int8_t> q8(bytes8 ? M * K : 0);
+  std::vector<int32_t> group_sum(rows4 || bytes8 ? M * (K / 32) : 0);
   std::vector<float> row_scale(M);
   Act a{xp, M, K, q.data(), row_scale.data(), q4.data(), group_sum.data()};
+  a.top = activation_bits == 8 ? 127 : 32767;
+  a.q8 = bytes8 ? q8.data() : nullptr;
   if (integer) {  // before the threads share it
     at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) { a.quantize_rows(begin, end); });
     a.quantized = true;
   }
   if (rows4) a.quantize4(L.group);
+  if (bytes8) a.sum_groups(L.group);
   if (L.kind == at::kChar) {
     if (amx_takes(M, K)) {  // split once, by all threads, before they share it
       amx_alloc(a);

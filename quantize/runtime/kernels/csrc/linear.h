@@ -104,6 +104,10 @@ struct Act {
   float* scale;
   int16_t* q4;  // int4 weights: q with each 32 inputs reordered evens then odds (the nibble order), [M, K]
   int32_t* group_sum;  // and its sums per group of `summed_group` inputs [M, K / group], for the zero points
+  // The largest |q|: 32767 (int16, the exact default) or 127 (int8 activations, `--prefill-dtype int8`); then
+  // q8 [M, K], if given, holds q as bytes too (the int4 x int8 GEMM, gemm_a8.h).
+  int32_t top = 32767;
+  int8_t* q8 = nullptr;
   bool quantized = false, quantized4 = false;
   int64_t summed_group = 0;
   int8_t* amx_hi = nullptr;  // q split for the AMX GEMM (amx.h), [Mp, amx_k] each, when it runs
@@ -128,6 +132,11 @@ struct Act {
       }
       quantized4 = true;
     }
+    sum_groups(group);
+  }
+
+  // group_sum for groups of `group` inputs (q quantized): once per activation and group size.
+  void sum_groups(int64_t group) {
     if (summed_group == group) return;
     const int64_t groups = K / group;
     for (int64_t m = 0; m < M; ++m)
@@ -157,7 +166,8 @@ struct Act {
       _mm256_storeu_ps(lanes, peaks);
       float peak = *std::max_element(lanes, lanes + 8);
       for (; k < K; ++k) peak = std::max(peak, std::fabs(row[k]));
-      const float inv = peak > 0.f ? 32767.f / peak : 0.f;
+      const float limit = static_cast<float>(top);
+      const float inv = peak > 0.f ? limit / peak : 0.f;
       const __m256 factor = _mm256_set1_ps(inv);
       int16_t* out = q + m * K;
       for (k = 0; k + 16 <= K; k += 16) {  // round to nearest even, as std::nearbyint in the default mode
@@ -167,7 +177,9 @@ struct Act {
                             _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
       }
       for (; k < K; ++k) out[k] = static_cast<int16_t>(std::nearbyint(row[k] * inv));
-      scale[m] = peak / 32767.f;
+      scale[m] = peak / limit;
+      if (q8 != nullptr)
+        for (k = 0; k < K; ++k) q8[m * K + k] = static_cast<int8_t>(out[k]);
     }
   }
 };

@@ -9,7 +9,9 @@
 namespace qpack {
 
 // x [M, K] float32 @ weight rows -> [M, N] float32 (linear.cpp).
-at::Tensor linear(at::Tensor x, at::Tensor weight, at::Tensor scale, at::Tensor bias, at::Tensor zero_point);
+// activation_bits: 16 (the exact default) or 8 (int8-rounded activations, `--prefill-dtype int8`).
+at::Tensor linear(at::Tensor x, at::Tensor weight, at::Tensor scale, at::Tensor bias, at::Tensor zero_point,
+                  int64_t activation_bits);
 
 // int4 weights -> float32, in place into `out` (linear.cpp).
 void dequantize_int4(at::Tensor qweight, at::Tensor scale, at::Tensor zero_point, at::Tensor out);
