@@ -1,13 +1,15 @@
 """Prompt-sized products of one linear layer, per shape and per kernel build, in one run: qpack's native int8 and
 int4 kernels (the activation rounded to int16 per row; int8 as a packed-panel GEMM, and on AMX tiles where the CPU
-has them, int4 as a GEMM over the packed nibbles, all bit-identical to decode) against torch's FP32 `F.linear` on an
+has them, int4 as a GEMM over the packed nibbles, all bit-identical to decode), the same with the activation rounded
+to int8 (`--prefill-dtype int8`, `a8`: int4 then runs a `vpmaddubsw` GEMM), against torch's FP32 `F.linear` on an
 FP32 weight (oneDNN/MKL) and the path the modules took for prompts before (dequantize into a scratch buffer, then
 that GEMM).
 
 Each build's ceilings are measured first, in the same run (`kernels.peak_rate`): the int16-pair multiply-add
 (`vpmaddwd` on AVX2, `vpdpwssd` on AVX-512) and the float32 FMA, each issued in 12 independent chains per
 thread on every thread, so that nothing but the core's issue rate bounds them. A GEMM's efficiency is its
-multiply-adds per second over the int16 ceiling (`int16 peak %`).
+multiply-adds per second over the int16 ceiling (`int16 peak %`); the a8 int4 GEMM's over its own (`a8 peak %`: one
+256-bit `vpmaddubsw` per 32 multiply-adds and one widening `vpmaddwd` per eight of those).
 
 Shapes: SmolLM2-135M's projections (fused q/k/v and gate/up, as the runtime fuses them) and Llama-3-8B's widths.
 Every build this CPU can execute is measured (`kernels.forced`: AVX2 on an AVX-512 machine too). Each number is
@@ -15,8 +17,8 @@ the median of `--repeats` timed calls after a warm-up, as GOP/s (2 M N K per cal
 
 With `--artifact DIR` (repeatable: an int8 and an int4 artifact of one model) it also times a whole prompt's
 forward (`--rows` tokens, the model's own tokens cycled), in one process, alternating, median of `--repeats`: each
-artifact on the native prompt GEMMs (on AMX tiles where the CPU has them, and then also without), the same
-artifact with prompts as dequantize + float32 GEMM (the path before), and the FP32 model they were built from.
+artifact on the native prompt GEMMs (on AMX tiles where the CPU has them, and then also without), on them with int8
+activations, the same artifact with prompts as dequantize + float32 GEMM (the path before), and the FP32 model they were built from.
 This is the path `qpack evaluate` and the lm-eval adapter run (`load_artifact`, Hugging Face's forward).
 
     python benchmarks/prefill.py [--rows 512] [--repeats 7] [--artifact DIR ...] [--out out/bench-prefill.json]
@@ -40,7 +42,7 @@ from quantize.formats import primitives as P
 from quantize.formats.schemes import Int4, Int8
 from quantize.runtime.handlers import Int4Handler
 from quantize.runtime.kernels import ops as kernels
-from quantize.runtime.modules import Int4Linear, Int8Linear
+from quantize.runtime.modules import Int4Linear, Int8Linear, prefill_dtype_set
 
 SHAPES = {  # name: (K inputs, N outputs)
     "smollm2 qkv": (576, 960),
@@ -106,9 +108,19 @@ def measure(name: str, k: int, n: int, rows: int, repeats: int, group: int) -> d
                 result[f"native int4 {isa}"] = ops / median_seconds(
                     lambda: kernels.linear(x, int4.qweight, int4.scale, None, int4.zero_point), repeats
                 )
+                with kernels.forced_amx(False):
+                    result[f"native int8 a8 {isa}"] = ops / median_seconds(
+                        lambda: kernels.linear(x, int8.qweight, int8.scale, activation_bits=8), repeats
+                    )
+                result[f"native int4 a8 {isa}"] = ops / median_seconds(
+                    lambda: kernels.linear(x, int4.qweight, int4.scale, None, int4.zero_point, 8), repeats
+                )
                 peak = 2 * PEAKS[isa]["int16"] / 1e9  # GOP/s
                 result[f"native int8 {isa} int16 peak %"] = 100 * result[f"native int8 {isa}"] / peak
                 result[f"native int4 {isa} int16 peak %"] = 100 * result[f"native int4 {isa}"] / peak
+                # the a8 GEMM's ceiling: one vpmaddubsw per 32 multiply-adds plus a widening vpmaddwd per 8
+                a8_peak = 2 / (1 / PEAKS[isa]["int8"] + 1 / (8 * 2 * PEAKS[isa]["int16"])) / 1e9
+                result[f"native int4 a8 {isa} a8 peak %"] = 100 * result[f"native int4 a8 {isa}"] / a8_peak
     print(name, {key: round(v, 1) if isinstance(v, float) else v for key, v in result.items()}, flush=True)
     return result
 
@@ -121,7 +133,9 @@ PEAKS: dict[
 def measure_peaks() -> dict[str, dict[str, float]]:
     for isa in kernels.runnable_isas():
         with kernels.forced(isa):
-            PEAKS[isa] = {kind: max(kernels.peak_rate(kind) for _ in range(3)) for kind in ("int16", "fp32")}
+            PEAKS[isa] = {
+                kind: max(kernels.peak_rate(kind) for _ in range(3)) for kind in ("int16", "int8", "fp32")
+            }
         print(f"peaks {isa}: " + ", ".join(f"{kind} {v / 1e9:.1f} GMAC/s" for kind, v in PEAKS[isa].items()))
     return PEAKS
 
@@ -136,11 +150,13 @@ def model_prefill(artifacts: list[str], rows: int, repeats: int) -> dict[str, ob
     reference = load_model(resolve_model(loaded[0].manifest["source"]["model_id"]), dtype=torch.float32)
     tokens = torch.arange(rows).remainder(reference.config.vocab_size - 1).add(1)[None]
 
-    def forward(model: torch.nn.Module, native: bool, amx: bool = True) -> Callable[[], object]:
+    def forward(
+        model: torch.nn.Module, native: bool, amx: bool = True, prefill: str = "float32"
+    ) -> Callable[[], object]:
         def call() -> object:
             Int8Linear.native_prompts = Int4Linear.native_prompts = native
             try:
-                with kernels.forced_amx(amx):
+                with kernels.forced_amx(amx), prefill_dtype_set(model, prefill):
                     return model(tokens, use_cache=False).logits
             finally:
                 Int8Linear.native_prompts = Int4Linear.native_prompts = True
@@ -151,6 +167,7 @@ def model_prefill(artifacts: list[str], rows: int, repeats: int) -> dict[str, ob
     for path, artifact in zip(artifacts, loaded, strict=True):
         label = Path(path).name
         calls[f"{label} native"] = forward(artifact.model, True)
+        calls[f"{label} native, int8 activations"] = forward(artifact.model, True, prefill="int8")
         if kernels.amx():
             calls[f"{label} native, AMX off"] = forward(artifact.model, True, amx=False)
         calls[f"{label} dequantize+gemm"] = forward(artifact.model, False)

@@ -23,6 +23,7 @@ from quantize.common.memory import peak_rss_mb
 from quantize.common.progress import NULL_PROGRESS, Progress
 from quantize.config import HeldoutQuality, QuantizeConfig, QuantizeResult
 from quantize.distill.run import CURVE_FILE, Distilled, distill_held
+from quantize.formats.schemes import Int4, Int8
 from quantize.io.artifact import (
     DEFAULT_SHARD_BYTES,
     ArtifactWriter,
@@ -93,10 +94,11 @@ def _quantize_and_measure(
     writer: ArtifactWriter,
     progress: Progress,
     timings: dict[str, float],
-) -> tuple[dict[str, dict[str, Any]], HeldoutQuality, Distilled | None]:
+) -> tuple[dict[str, dict[str, Any]], HeldoutQuality, HeldoutQuality | None, Distilled | None]:
     """One pass over the blocks: quantize and write each, carrying held-out tokens through the FP32 and the
-    quantized block; then KL, top-1 and perplexities of the two. With `distill`: the pass holds its tensors and
-    keeps the FP32 teacher's, the scales are trained, and the held-out quality is measured again."""
+    quantized block; then KL, top-1 and perplexities of the two, and of the int8 prompt path (`--prefill-dtype
+    int8`) where the plan has int8/int4 linears. With `distill`: the pass holds its tensors and keeps the FP32
+    teacher's, the scales are trained, and the held-out quality is measured again."""
     phase = time.perf_counter()
     packs = eval_packs(inputs.calibration, config.eval_tokens, config.seed)
     runner = BlockRunner(inputs.streamed)
@@ -112,6 +114,7 @@ def _quantize_and_measure(
         packs,
         progress,
         teacher=config.distill is not None,
+        int8_prompts=any(isinstance(s, Int8 | Int4) for s in plan.quantized().values()),
     )
     timings["quantize"] = time.perf_counter() - phase
     phase = time.perf_counter()
@@ -119,6 +122,11 @@ def _quantize_and_measure(
         quality = compare_hidden(
             packs, result.reference, result.candidate, result.reference_head, result.candidate_head
         )
+        prompt_int8 = None
+        if result.candidate_int8 is not None:
+            prompt_int8 = compare_hidden(
+                packs, result.reference, result.candidate_int8, result.reference_head, result.candidate_head
+            )
     timings["evaluate"] = time.perf_counter() - phase
     distilled = None
     if config.distill is not None:
@@ -126,11 +134,11 @@ def _quantize_and_measure(
         distilled = distill_held(
             runner, plan, writer, result, packs, quality, config.distill, config.max_memory, progress
         )
-        quality = distilled.quality
+        quality, prompt_int8 = distilled.quality, distilled.prompt_int8
         writer.release()
         timings["distill"] = time.perf_counter() - phase
     runner.forget_rope()
-    return result.info, quality, distilled
+    return result.info, quality, prompt_int8, distilled
 
 
 def _manifest(
@@ -140,6 +148,7 @@ def _manifest(
     module_info: dict[str, dict[str, Any]],
     table: SensitivityTable | None,
     quality: HeldoutQuality,
+    prompt_int8: HeldoutQuality | None,
     timings: dict[str, float],
     warnings: list[str],
 ) -> dict[str, Any]:
@@ -183,6 +192,9 @@ def _manifest(
             **quality.to_json(),
             "predicted_kl": info.get("predicted_kl"),
             "numerics": {"prefill_dtype": "float32", "native_kernels": kernels.isa()},
+            # the same held-out tokens with prompts on int8 activations (`--prefill-dtype int8`); None: no
+            # int8/int4 linears
+            "prompt_int8": None if prompt_int8 is None else prompt_int8.to_json(),
         },
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "memory": {
@@ -226,10 +238,12 @@ def quantize_model(
     with artifact_writer(
         inputs.output, config.overwrite, config.max_shard_size or DEFAULT_SHARD_BYTES
     ) as writer:
-        module_info, quality, distilled = _quantize_and_measure(
+        module_info, quality, prompt_int8, distilled = _quantize_and_measure(
             inputs, plan, config, writer, progress, timings
         )
-        manifest_data = _manifest(config, inputs, info, module_info, table, quality, timings, warnings)
+        manifest_data = _manifest(
+            config, inputs, info, module_info, table, quality, prompt_int8, timings, warnings
+        )
         if distilled is not None and config.distill is not None:
             manifest_data["quantization"]["distill"] = distilled.to_json(config.distill)
             (writer.folder / CURVE_FILE).write_bytes(distilled.png)

@@ -39,8 +39,12 @@ class LoadedModel:
     reference_name: str = ""  # that model's name
 
 
-def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """An artifact directory (quantized modules) or any `--model` spec (FP32/BF16, for comparison)."""
+def load_for_serving(
+    target: str, dtype: str = "float32", device: str = "cpu", prefill_dtype: str = "float32"
+) -> LoadedModel:
+    """An artifact directory (quantized modules) or any `--model` spec (FP32/BF16, for comparison). An
+    artifact's KL is the held-out KL its manifest records for the prompt path `prefill_dtype` selects (int8: the
+    int8 prompt path's, where measured)."""
     from quantize.model.sources import load_model, load_tokenizer, resolve_model, weights_sha256
 
     path = Path(target).expanduser()
@@ -52,6 +56,8 @@ def load_for_serving(target: str, dtype: str = "float32", device: str = "cpu") -
         content = content_sha256(loaded.manifest)
         source = loaded.manifest.get("source") or {}
         quality = loaded.manifest.get("quality") or {}
+        if prefill_dtype == "int8" and quality.get("prompt_int8"):
+            quality = quality["prompt_int8"]
         return LoadedModel(
             loaded.model,
             tokenizer,
@@ -155,7 +161,9 @@ def start_engine(
     `--compile`), progress to `log`."""
     if options.threads:
         torch.set_num_threads(options.threads)
-    loaded = load_for_serving(target or options.target or "", options.dtype)
+    loaded = load_for_serving(
+        target or options.target or "", options.dtype, prefill_dtype=options.prefill_dtype
+    )
     draft = load_draft(options.draft, loaded) if options.draft and options.speculative != "off" else None
     log("loading the native decode kernels (built once per machine: ~1 min the first time)...")
     engine = build_engine(loaded, engine_config(options), draft)

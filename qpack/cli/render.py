@@ -162,6 +162,20 @@ def quality_rows(quality: dict[str, Any], size: dict[str, Any]) -> list[tuple[st
         ),
         ("top-1 agreement", f"{quality['top1_agreement']:.1%}"),
         ("perplexity", f"{quality['ppl']:.2f} (FP32 {quality['ppl_reference']:.2f})"),
+        *prompt_int8_rows(quality.get("prompt_int8")),
+    ]
+
+
+def prompt_int8_rows(measured: dict[str, Any] | None) -> list[tuple[str, Any]]:
+    """The opt-in int8 prompt path's held-out cost (`--prefill-dtype int8`), where the manifest records it."""
+    if not measured:
+        return []
+    return [
+        (
+            "with int8 prompt activations",
+            f"KL {measured['kl']:.5f} (p95 {measured['kl_p95']:.4f}), top-1 {measured['top1_agreement']:.1%} "
+            "(`--prefill-dtype int8`)",
+        )
     ]
 
 

@@ -20,6 +20,7 @@ from quantize.distill.train import DistillResult, distill
 from quantize.io.artifact import ArtifactWriter
 from quantize.planning.plan import Plan
 from quantize.quality import compare_hidden
+from quantize.runtime.modules import prefill_dtype_set
 from quantize.sequential.apply import PassResult
 from quantize.sequential.packing import Pack
 from quantize.sequential.runner import BlockRunner
@@ -38,6 +39,7 @@ class Distilled:
     before: HeldoutQuality  # the same before it
     kept_blocks: bool  # the student's blocks stayed built (else rebuilt at each use: streamed)
     png: bytes
+    prompt_int8: HeldoutQuality | None = None  # after distillation, prompts on int8 activations (`quality`'s)
 
     def to_json(self, settings: Distill) -> dict[str, Any]:
         return {
@@ -89,24 +91,34 @@ def distill_held(
         quality = compare_hidden(
             eval_packs, passed.reference, candidate, passed.reference_head, passed.candidate_head
         )
-    return Distilled(result, quality, before, kept, curve_png(result, before, quality))
+        prompt_int8 = None
+        if passed.candidate_int8 is not None:
+            candidate = _runtime_hidden(student, eval_packs, "int8")
+            prompt_int8 = compare_hidden(
+                eval_packs, passed.reference, candidate, passed.reference_head, passed.candidate_head
+            )
+    return Distilled(result, quality, before, kept, curve_png(result, before, quality), prompt_int8)
 
 
 @torch.inference_mode()
-def _runtime_hidden(student: Student, packs: list[Pack]) -> list[torch.Tensor]:
-    """The final normed hidden states of the artifact as served (runtime modules), block by block."""
+def _runtime_hidden(
+    student: Student, packs: list[Pack], prefill_dtype: str = "float32"
+) -> list[torch.Tensor]:
+    """The final normed hidden states of the artifact as served (runtime modules, prompt-sized products in
+    `prefill_dtype`), block by block."""
     runner = student.runner
     hidden = [runner.embed(p) for p in packs]
     for index in range(student.num_layers):
         layer = student.runtime_block(index)
         outputs = []
         for h, pack in zip(hidden, packs, strict=True):
-            out = layer(
-                h,
-                attention_mask=pack.mask,
-                position_ids=pack.position_ids,
-                position_embeddings=runner.rope(pack, h[:1]),
-            )
+            with prefill_dtype_set(layer, prefill_dtype):
+                out = layer(
+                    h,
+                    attention_mask=pack.mask,
+                    position_ids=pack.position_ids,
+                    position_embeddings=runner.rope(pack, h[:1]),
+                )
             outputs.append(out[0] if isinstance(out, tuple) else out)
         hidden = outputs
         del layer

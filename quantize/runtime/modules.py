@@ -45,6 +45,8 @@ Each must match its handler's reference `dequantize` within stated tolerances (t
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -240,6 +242,20 @@ def set_prefill_dtype(model: nn.Module, name: str) -> int:
     for module in modules:
         module.prefill_dtype = dtype
     return len(modules)
+
+
+@contextmanager
+def prefill_dtype_set(model: nn.Module, name: str) -> Iterator[None]:
+    """For the duration, `model`'s quantized linears run prefill-sized products in `name` (`set_prefill_dtype`);
+    then each gets its own setting back. `qpack quantize` measures the int8 prompt path's held-out KL with it."""
+    modules = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    previous = [m.prefill_dtype for m in modules]
+    set_prefill_dtype(model, name)
+    try:
+        yield
+    finally:
+        for module, dtype in zip(modules, previous, strict=True):
+            module.prefill_dtype = dtype
 
 
 def prefill_dtype_of(model: nn.Module) -> str:

@@ -44,6 +44,7 @@ from quantize.model.surgery import (
 )
 from quantize.planning.plan import Plan
 from quantize.runtime.handlers import handler_for
+from quantize.runtime.modules import prefill_dtype_set
 from quantize.sequential.packing import Pack, make_packs, row_batches
 from quantize.sequential.runner import BlockRunner, input_hessians
 
@@ -74,6 +75,8 @@ class PassResult:
     candidate_head: nn.Module
     packs: list[Pack]  # the calibration rows the pass ran on
     teacher: list[torch.Tensor]  # with `teacher=True`: their FP32 final normed hidden states [T, H]
+    # with `int8_prompts=True`: the quantized model's, its prompt-sized products on int8 activations
+    candidate_int8: list[torch.Tensor] | None = None
 
 
 def apply_plan(
@@ -85,10 +88,13 @@ def apply_plan(
     eval_packs: list[Pack],
     progress: Progress = NULL_PROGRESS,
     teacher: bool = False,
+    int8_prompts: bool = False,
 ) -> PassResult:
     """Quantize every planned linear with its algorithm (`plan.algorithms`) on the `calibration` sequences and
     their recorded input statistics, writing each block's tensors as it is done; measure on `eval_packs`. With
-    `teacher`, the FP32 model's hidden states of the calibration rows are carried too (distillation's teacher)."""
+    `teacher`, the FP32 model's hidden states of the calibration rows are carried too (distillation's teacher);
+    with `int8_prompts`, the held-out rows also pass the quantized blocks with prefill dtype int8 (the opt-in
+    prompt path whose KL the manifest records)."""
     packs = make_packs(calibration, 512, share_prefix=True)
     run = _Run(blocks, plan, stats, int(sum(p.represented_tokens for p in packs)))
     info: dict[str, dict[str, Any]] = {}
@@ -97,6 +103,7 @@ def apply_plan(
         hidden = [blocks.embed(p) for p in packs]
         reference = [blocks.embed(p) for p in eval_packs]
     candidate = list(reference)
+    candidate_int8 = list(reference) if int8_prompts else None
     carry = run.learns_rounding or teacher
     fp_hidden = list(hidden) if carry else []
     title = f"Quantizing {blocks.num_layers} blocks on {run.num_tokens:,} calibration tokens"
@@ -120,8 +127,17 @@ def apply_plan(
                     candidate = [
                         blocks.run_block(index, h, p) for h, p in zip(candidate, eval_packs, strict=True)
                     ]
+                    if candidate_int8 is not None:
+                        with prefill_dtype_set(blocks.model, "int8"):
+                            candidate_int8 = [
+                                blocks.run_block(index, h, p)
+                                for h, p in zip(candidate_int8, eval_packs, strict=True)
+                            ]
             task.advance()
     result = _finish_outside_blocks(run, writer, info, hidden, packs, reference, candidate)
+    if candidate_int8 is not None:
+        with torch.inference_mode():
+            result.candidate_int8 = [blocks.norm(h)[0] for h in candidate_int8]
     if teacher:
         with torch.inference_mode():
             result.teacher = [blocks.norm(h)[0] for h in fp_hidden]

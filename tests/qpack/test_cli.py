@@ -160,7 +160,10 @@ def test_serve_reports_every_bad_option_at_once(tiny_llama: Path) -> None:
     assert result.exit_code == 2
     error = json.loads(result.stdout)["error"]
     assert "--block-size" in error and "--kv-dtype must be one of float32, bfloat16, float16" in error
-    assert "--port" in error and "--prefill-dtype must be one of float32, bfloat16, int8 (got 'float16')" in error
+    assert (
+        "--port" in error
+        and "--prefill-dtype must be one of float32, bfloat16, int8 (got 'float16')" in error
+    )
 
 
 def test_serving_an_artifact_without_its_manifest_exits_2(tiny_qwen2_artifact: Path, copy_dir) -> None:

@@ -60,18 +60,22 @@ def test_each_scheme_on_a_tiny_tied_llama(
     assert "kept FP32: lm_head, embed_tokens, norms" in result.manifest["quantization"]["summary"]
 
 
-def _remeasured(artifact: Path, calibration: Path, model_dir: Path) -> dict[str, float]:
-    """The held-out quality of the artifact as loaded from disk, against the FP32 model loaded whole: an
-    independent answer to what the streaming quantize pass measured while it wrote the artifact."""
+def _remeasured(
+    artifact: Path, calibration: Path, model_dir: Path, prefill_dtype: str = "float32"
+) -> dict[str, float]:
+    """The held-out quality of the artifact as loaded from disk (prompts in `prefill_dtype`), against the FP32
+    model loaded whole: an independent answer to what the streaming quantize pass measured while it wrote the
+    artifact."""
     from quantize.io.calibration import CalibrationData
     from quantize.model.sources import load_model, resolve_model
     from quantize.quality import compare_to_reference, eval_packs, reference_hidden
+    from quantize.runtime.modules import set_prefill_dtype
 
     packs = eval_packs(CalibrationData.load(calibration), FAST["eval_tokens"], 0)
     reference = load_model(resolve_model(str(model_dir)))
-    return compare_to_reference(
-        load_artifact(artifact).model, packs, reference_hidden(reference, packs), reference.lm_head
-    ).to_json()
+    model = load_artifact(artifact).model
+    set_prefill_dtype(model, prefill_dtype)
+    return compare_to_reference(model, packs, reference_hidden(reference, packs), reference.lm_head).to_json()
 
 
 @pytest.mark.parametrize("preset", ["int8", "int4", "mixed", "w8a8"])
@@ -90,6 +94,13 @@ def test_presets_save_load_same_quality(preset, tiny_qwen2, tiny_qwen2_calibrati
     assert again["kl"] == pytest.approx(quality["kl"], rel=1e-3, abs=1e-7)
     assert again["ppl"] == pytest.approx(quality["ppl"], rel=1e-4)
     assert again["ppl_reference"] == pytest.approx(quality["ppl_reference"], rel=1e-5)
+    if preset == "w8a8":
+        assert quality["prompt_int8"] is None  # no int8/int4 weight-only linears: no int8 prompt path
+        return
+    int8 = _remeasured(out, tiny_qwen2_calibration, tiny_qwen2, "int8")
+    recorded = quality["prompt_int8"]
+    assert int8["kl"] == pytest.approx(recorded["kl"], rel=1e-3, abs=1e-7)
+    assert recorded["tokens"] == quality["tokens"] and recorded["kl"] != quality["kl"]
 
 
 def test_mixed_plan_respects_budget_and_reuses_sensitivity(
@@ -335,6 +346,9 @@ def test_distill_lowers_gptqs_heldout_kl_training_only_the_scales(stories_calibr
     before, after = results["gptq"].quality.kl, results["distilled"].quality.kl
     section = results["distilled"].manifest["quantization"]["distill"]
     assert section["heldout_kl_before"] == pytest.approx(before)
+    int8_prompts = results["distilled"].manifest["quality"]["prompt_int8"]  # measured again after training
+    assert int8_prompts["tokens"] == results["distilled"].quality.tokens
+    assert int8_prompts["kl"] != results["gptq"].manifest["quality"]["prompt_int8"]["kl"]
     assert after < 0.9 * before, (before, after, section)
     assert section["validation_kl"] < section["validation_kl_before"]
     assert section["curve"][0]["step"] == 0 and len(section["curve"]) >= 2

@@ -365,6 +365,20 @@ def test_a_non_streaming_client_that_disconnects_frees_its_blocks_at_once(tiny_l
         assert 'finish_reason="abort"' in engine.metrics.render().decode()
 
 
+def test_a_server_on_int8_prompts_reports_and_routes_by_their_measured_kl(tiny_qwen2_artifact: Path) -> None:
+    """With `--prefill-dtype int8` the KL a served artifact carries (/v1/models, precision routing) is the one
+    `qpack quantize` measured for prompts on int8 activations, not the exact path's; the engine says so."""
+    from quantize.io.artifact import read_manifest
+    from serve.loading import build_engine, load_for_serving
+
+    quality = read_manifest(tiny_qwen2_artifact)["quality"]
+    exact, int8 = (load_for_serving(str(tiny_qwen2_artifact), prefill_dtype=d) for d in ("float32", "int8"))
+    assert (exact.kl, int8.kl) == (quality["kl"], quality["prompt_int8"]["kl"]) and exact.kl != int8.kl
+    engine = build_engine(int8, EngineConfig(block_size=4, kv_memory="8MB", prefill_dtype="int8"))
+    assert engine.numerics()["prefill_dtype"] == "int8"
+    assert "int8 activations" in str(engine.numerics()["prompt_path"])
+
+
 def test_the_prefill_dtype_is_set_on_the_model_and_keys_its_kv(tiny_qwen2_artifact: Path) -> None:
     """`--prefill-dtype bfloat16` reaches every quantized linear (fused ones included), and KV computed on one
     numeric path is never reused on another: the prefix-cache namespace and the stored blocks' key differ."""

@@ -150,8 +150,9 @@ def forced_amx(on: bool) -> Iterator[None]:
 
 def peak_rate(kind: str, iterations: int = 2_000_000) -> float:
     """Multiply-adds per second of one instruction at its issue rate on all torch threads: 'int16' (the int16-pair
-    multiply-add every exact int8/int4 prompt GEMM is built on: `vpmaddwd`, or `vpdpwssd` in the AVX-512 build)
-    or 'fp32' (FMA). The ceilings a GEMM's efficiency is stated against (benchmarks/prefill.py)."""
+    multiply-add every exact int8/int4 prompt GEMM is built on: `vpmaddwd`, or `vpdpwssd` in the AVX-512 build),
+    'int8' (256-bit `vpmaddubsw`, the int4 GEMM over int8 activations, in both builds) or 'fp32' (FMA). The
+    ceilings a GEMM's efficiency is stated against (benchmarks/prefill.py)."""
     return float(_kernels().peak_rate(kind, iterations))
 
 
