@@ -22,7 +22,7 @@
 
 namespace qpack {
 
-constexpr int kTallA8 = 4, kWideA8 = 3;  // activation rows x registers of weight rows: 12 int16 sums in registers
+constexpr int kTallA8 = 3, kWideA8 = 3;  // activation rows x registers of weight rows: 9 int16 sums in registers
 constexpr int kPanelA8 = 8 * kWideA8;    // weight rows per packed panel
 
 // sums[j][c] = the exact int32 sums over `quads` groups of four inputs (a multiple of 8) of activation rows j < T
@@ -35,6 +35,7 @@ inline void micro_a8(const int8_t* a, int64_t lda, const uint8_t* panel, int64_t
     __m256i part[T][kWideA8];
     for (int j = 0; j < T; ++j)
       for (int c = 0; c < kWideA8; ++c) part[j][c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int64_t q = q0; q < q0 + 8; ++q) {
       __m256i w[kWideA8];
       for (int c = 0; c < kWideA8; ++c)
