@@ -6,6 +6,9 @@ models still available):
 
     qpack-lm-eval run --model qpack --model_args artifact=out/int8 --tasks mmlu --num_fewshot 5
 
+(`prefill_dtype=int8` in --model_args scores prompts on int8 activations, as `qpack serve --prefill-dtype int8`
+serves them; the results' `config.qpack_numerics` says which kernels scored.)
+
 or, from Python, `lm_eval.simple_evaluate(model=QpackLM(artifact=...), ...)`. Requires the `lmeval` extra.
 
 Log-likelihoods go through the same scorer as `qpack evaluate` (`evals.scoring.Scorer`: one forward per padded
@@ -46,12 +49,19 @@ class QpackLM(TemplateLM):
         max_length: int | str | None = None,
         add_bos_token: bool | str = True,
         max_gen_toks: int | str = 256,
+        prefill_dtype: str = "float32",
         **_ignored: Any,
     ) -> None:
         super().__init__()
         if not artifact:
             raise QpackError("--model_args needs artifact=DIR (a qpack artifact or model spec)")
         self.model, self.tokenizer = _load(str(artifact))
+        from quantize.runtime.modules import set_prefill_dtype
+
+        try:
+            set_prefill_dtype(self.model, str(prefill_dtype))
+        except ValueError as error:
+            raise QpackError(f"--model_args prefill_dtype: {error}") from None
         self._max_length = (
             int(max_length)
             if max_length
@@ -60,6 +70,13 @@ class QpackLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self.add_bos_token = _flag(add_bos_token)
         self.scorer = Scorer(self.model, self.tokenizer, int(batch_tokens))
+
+    def get_model_info(self) -> dict[str, Any]:
+        """What lm-eval adds to its results' `config`: how the artifact computed (prefill dtype, native kernel
+        build, the kernels prompts ran on), as `qpack evaluate` records it."""
+        from quantize.runtime.modules import numerics
+
+        return {"qpack_numerics": numerics(self.model)}
 
     @property
     def eot_token_id(self) -> int:

@@ -73,6 +73,9 @@ def test_local_mmlu_task_runs_on_an_artifact(
         item = first[sample["doc_id"]]
         lm_eval_scores = torch.tensor([float(r[0]) for r in sample["filtered_resps"]], dtype=torch.float64)
         torch.testing.assert_close(lm_eval_scores, expected[item.key], rtol=1e-4, atol=1e-5)
+    assert (
+        out["config"]["qpack_numerics"]["prefill_dtype"] == "float32"
+    )  # which kernels scored, in the results
     accuracy = out["results"][name]["acc,none"]
     assert accuracy == pytest.approx(
         sum(int(torch.argmax(expected[k])) == first[int(k.split("/")[1])].answer for k in expected) / 6
@@ -105,3 +108,17 @@ def test_the_adapter_scores_on_the_native_kernels_as_evaluate_does(adapter) -> N
     assert kernels.ready() or kernels.unavailable_reason() is not None
     if kernels.unavailable_reason() is None:
         assert kernels.isa() is not None
+
+
+def test_the_adapter_takes_the_prefill_dtype_as_a_server_does(tiny_qwen2_artifact: Path) -> None:
+    """`prefill_dtype=int8` in --model_args scores prompts on int8 activations (as `serve --prefill-dtype int8`),
+    says so in the results' config, and a bad value is one clear error."""
+    from evals.lmeval import QpackLM
+    from quantize.common.errors import QpackError
+
+    int8 = QpackLM(artifact=str(tiny_qwen2_artifact), prefill_dtype="int8")
+    assert int8.get_model_info()["qpack_numerics"]["prefill_dtype"] == "int8"
+    with pytest.raises(
+        QpackError, match="prefill_dtype: prefill dtype must be one of float32, bfloat16, int8"
+    ):
+        QpackLM(artifact=str(tiny_qwen2_artifact), prefill_dtype="fp8")
