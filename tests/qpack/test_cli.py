@@ -248,3 +248,13 @@ def test_quantize_mixed_then_distill_from_the_command_line(
     assert section["validation_kl"] <= section["validation_kl_before"]
     assert "distill.png" in manifest["files"]
     assert runner.invoke(app, ["inspect", str(art)]).exit_code == 0
+
+
+def test_the_option_reference_is_generated_from_the_command_line() -> None:
+    """docs/cli.md is what `python -m qpack.cli.reference --write` writes from the CLI now: an option added,
+    renamed or re-documented without regenerating it fails here, naming the fix."""
+    from qpack.cli.reference import REFERENCE, render
+
+    text = render()
+    assert "## `qpack serve`" in text and "`--prefill-dtype`" in text and "## `qpack bench decode`" in text
+    assert REFERENCE.read_text() == text, "docs/cli.md is stale: run `python -m qpack.cli.reference --write`"
