@@ -115,7 +115,7 @@ class ServeOptions:
     prefill_dtype: str = DEFAULT_PREFILL_DTYPE
     """Precision of prefill-sized products of int8/int4 layers: float32 (every CPU, the default: exact integer
     sums of int16-rounded activations), bfloat16 (faster where the CPU has AMX-BF16/AVX512-BF16, at a KL cost;
-    emulated elsewhere) or int8 (activations rounded to int8 per token; int4 prompts run ~1.2-1.3x faster, at the
+    emulated elsewhere) or int8 (activations rounded to int8 per token; int4 prompts run ~1.3x faster, at the
     KL cost the manifest's quality.prompt_int8 records)."""
     speculative: str = "off"
     """Speculative decoding at small batch: off, ngram (proposals looked up in the context), draft (proposed by
