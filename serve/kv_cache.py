@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serve.options import KV_DTYPE_NAMES
+from serve.kv_formats import KV_DTYPE_NAMES
 
 KV_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in KV_DTYPE_NAMES}
 

@@ -20,11 +20,10 @@ from quantize.common.config import Problems
 from quantize.common.errors import QpackError
 from quantize.common.sizes import parse_size
 from quantize.runtime.precision import DEFAULT_PREFILL_DTYPE, PREFILL_DTYPE_NAMES
+from serve.kv_formats import CODECS, KV_DTYPE_NAMES
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 ROLES = ("single", "gateway", "worker", "all")
-KV_DTYPE_NAMES = ("float32", "bfloat16", "float16")
-CODECS = ("zstd", "zlib", "lz4", "none")  # of stored KV blocks (serve/tiers/codec.py)
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")  # serve/speculative/policy.py's MODES
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20

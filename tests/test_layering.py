@@ -192,6 +192,27 @@ def test_quantize_rooms_import_only_what_they_may() -> None:
     assert not bad, "; ".join(bad)
 
 
+# The modules of `serve` that turn the command line's options into a running server; nothing below them (the engine,
+# the KV cache and its offload, tenancy, control) may reach up into `serve.options`.
+SERVE_OPTION_READERS = {
+    "serve",
+    "serve.launch",
+    "serve.loading",
+    "serve.fleet.run",
+    "serve.fleet.worker_process",
+    "serve.openai.routes",
+}
+
+
+def test_only_the_launchers_of_serve_read_its_command_line_options() -> None:
+    bad = sorted(
+        f"{module} -> serve.options"
+        for module, edges in module_graph().items()
+        if "serve.options" in edges and module.startswith("serve") and module not in SERVE_OPTION_READERS
+    )
+    assert not bad, f"imports running up into the CLI options: {', '.join(bad)}"
+
+
 def test_configs_and_the_command_line_import_without_torch() -> None:
     """The configs every interface builds on are plain data, and the command line builds its options from them
     without torch (~2 s), so `qpack --help` stays instant."""

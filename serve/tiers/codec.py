@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from serve.options import CODECS
+from serve.kv_formats import CODECS
 
 MAGIC = b"QPKV"
 FORMAT_VERSION = 1
