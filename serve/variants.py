@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from serve.engine import Engine
-from serve.openai.protocol import ApiError
+from serve.refusal import Refusal
 
 if TYPE_CHECKING:
     from serve.tenancy.tenants import Tier
@@ -83,7 +83,9 @@ class Variants:
             if model in (served.name, f"{served.name}:{served.version}"):
                 return None if len(self.served) == 1 else served.name
         names = ", ".join(dict.fromkeys([self.model, *self.names]))
-        raise ApiError(404, f"model {model!r} is not served here; use {names}", "model", "model_not_found")
+        raise Refusal(
+            "not_found", f"model {model!r} is not served here; use {names}", "model", "model_not_found"
+        )
 
 
 def prioritize(variants: Variants, patience: float | Callable[[], float] = 0.0) -> None:

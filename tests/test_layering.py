@@ -213,6 +213,30 @@ def test_only_the_launchers_of_serve_read_its_command_line_options() -> None:
     assert not bad, f"imports running up into the CLI options: {', '.join(bad)}"
 
 
+# HTTP is on top of serving: below the front ends (`serve.openai`, the fleet's gateway and workers) and the modules
+# that start them, nothing imports `serve.openai`; refusals go up as `serve.refusal.Refusal`, which the front ends
+# map onto their answers. The edges not yet moved down, each with why it is still there:
+SERVE_HTTP_USERS = ("serve.openai", "serve.fleet")
+SERVE_HTTP_STARTERS = {"serve", "serve.launch", "serve.http"}
+SERVE_HTTP_DEBT = {
+    ("serve.tenancy.admission", "serve.openai.protocol"): "limited_params reads the parsed request type",
+}
+
+
+def test_nothing_below_the_front_ends_imports_http() -> None:
+    bad = sorted(
+        f"{module} -> {target}"
+        for module, edges in module_graph().items()
+        for target in edges
+        if module.startswith("serve")
+        and not module.startswith(SERVE_HTTP_USERS)
+        and module not in SERVE_HTTP_STARTERS
+        and target.startswith("serve.openai")
+        and (module, target) not in SERVE_HTTP_DEBT
+    )
+    assert not bad, f"imports running up into HTTP (raise serve.refusal.Refusal instead): {', '.join(bad)}"
+
+
 def test_configs_and_the_command_line_import_without_torch() -> None:
     """The configs every interface builds on are plain data, and the command line builds its options from them
     without torch (~2 s), so `qpack --help` stays instant."""

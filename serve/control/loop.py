@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from serve.control.controller import LATENCY, THROUGHPUT, Controller, Decision, Load, Observation, TierPolicy
 from serve.control.slo import Ledger, Slo
 from serve.metrics import ControlMetrics
-from serve.openai.protocol import ApiError
+from serve.refusal import Refusal
 from serve.tenancy.tenants import Caller, Tier
 
 LoadSource = Callable[
@@ -77,8 +77,8 @@ class ControlLoop:
             self._arrivals[caller.tier] = self._arrivals.get(caller.tier, 0) + 1
         self.metrics.arrivals.labels(caller.tier).inc()
 
-    def refusal(self, caller: Caller) -> ApiError | None:
-        """The 429 for a request whose tier is shed now (counted), else None. Of the shed tier only its share is
+    def refusal(self, caller: Caller) -> Refusal | None:
+        """The refusal (overloaded; HTTP: a 429) of a request whose tier is shed now (counted), else None. Of the shed tier only its share is
         refused, spread evenly as `variant_for` spreads a route's share (a running credit per tier)."""
         decision = self.decision
         if decision is None:
@@ -88,12 +88,12 @@ class ControlLoop:
             return None
         self.shed(caller)
         retry = max(1, round(decision.retry_after))
-        return ApiError(
-            429,
+        return Refusal(
+            "overloaded",
             f"the server is over capacity for tier {caller.tier!r}; higher tiers are served first: retry in {retry} s",
             code="overloaded",
             kind="rate_limit_error",
-            headers={"Retry-After": str(retry)},
+            retry_after=retry,
         )
 
     def variant_for(self, caller: Caller, pinned: str | None = None) -> Route:

@@ -42,8 +42,16 @@ from serve.metrics import ControlMetrics, TenantMetrics, TenantUsage
 from serve.openai import render, schema
 from serve.openai.answers import Piece, disconnected, sse_events
 from serve.openai.errors import internal_error
-from serve.openai.protocol import ApiError, GenerationRequest, parse_json, parse_request, session_label
+from serve.openai.protocol import (
+    ApiError,
+    GenerationRequest,
+    http_error,
+    parse_json,
+    parse_request,
+    session_label,
+)
 from serve.openai.routes import Guard, ServerInfo, error_response, fastapi_app, session_not_found
+from serve.refusal import Refusal
 from serve.tenancy.admission import refusal
 from serve.tenancy.redis_limits import LimiterUnavailable, RedisAdmission
 from serve.tenancy.tenants import Caller, Tenant
@@ -179,7 +187,7 @@ class Gateway:
         self, body: dict[str, Any], chat: bool, tenant: Tenant
     ) -> tuple[P.FleetRequest, GenerationRequest, Caller, dict[str, str]]:
         """Validate, admit within the tenant's limits, stamp and queue one request; its caller and the
-        x-ratelimit-* headers of the admission. Raises ApiError (what the client gets)."""
+        x-ratelimit-* headers of the admission. Raises ApiError or a Refusal (what the client gets)."""
         parsed = parse_request(body, chat)
         caller = self.config.info.tenants.current.caller(tenant, parsed.service_tier)
         workers = await self.live_workers()
@@ -463,7 +471,7 @@ async def _forget(gateway: Gateway, tenant: Tenant, user: str | None, session_id
     try:
         user, session_id = session_label(user, session_id)
         request_id, headers = await gateway.admit_deletion(tenant)
-    except ApiError as error:
+    except (ApiError, Refusal) as error:
         return error_response(error)
     try:
         blocks, workers, pending = await gateway.forget_sessions(tenant.name, user, session_id)
@@ -526,7 +534,8 @@ async def _respond(gateway: Gateway, request: Request, chat: bool) -> Response:
     try:
         body = parse_json(await request.body())
         fleet_request, parsed, caller, headers = await gateway.submit(body, chat, tenant)
-    except ApiError as error:
+    except (ApiError, Refusal) as refused:
+        error = http_error(refused)
         metrics.outcome(error.status, None, tenant)
         return error_response(error)
     except Exception as exc:

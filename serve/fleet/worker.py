@@ -39,8 +39,9 @@ from serve.engine import Engine, RequestOutput
 from serve.fleet import protocol as P
 from serve.openai.answers import engine_refusals
 from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids, shared_tokens
-from serve.openai.protocol import ApiError, GenerationRequest, parse_request
+from serve.openai.protocol import ApiError, GenerationRequest, http_error, parse_request
 from serve.openai.render import usage as _usage
+from serve.refusal import Refusal
 from serve.request import SamplingParams
 from serve.tenancy.admission import limited_params, owner_of, refusal
 from serve.tenancy.redis_limits import LimiterUnavailable, RedisTokens
@@ -329,7 +330,8 @@ class FleetWorker:
         item.attempt = chain.attempt + 1
         try:
             headers = self._admit(request, item, chain)
-        except ApiError as error:
+        except (ApiError, Refusal) as refused:
+            error = http_error(refused)
             with self._lock:
                 self.inflight.pop(request.request_id, None)
             failed = P.Chunk(
@@ -407,7 +409,7 @@ class FleetWorker:
     def _admit(self, request: P.FleetRequest, item: _InFlight, chain: P.Chain) -> dict[str, str] | None:
         """Validate, tokenize, reserve the tokens and queue the request on the engine, continuing CHAIN's answer
         if a previous attempt delivered part of it; the x-ratelimit-* headers of the token reservation, None when
-        nothing was left to generate. ApiError carries what the client gets."""
+        nothing was left to generate. An ApiError or a Refusal carries what the client gets."""
         if time.time() > request.deadline:
             raise ApiError(504, "request timed out", kind="timeout")
         caller = self._caller(request)

@@ -8,13 +8,16 @@ import logging
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from serve.openai.protocol import ApiError
+from serve.openai.protocol import ApiError, http_error
+from serve.refusal import Refusal
 
 _log = logging.getLogger("qpack.serve")
 
 
-def error_response(error: ApiError) -> JSONResponse:
-    """The OpenAI error body; a 429 or 503 without headers of its own says Retry-After: 1."""
+def error_response(refused: ApiError | Refusal) -> JSONResponse:
+    """The OpenAI error body (a refusal as HTTP states it); a 429 or 503 without headers of its own says
+    Retry-After: 1."""
+    error = http_error(refused)
     headers = dict(error.headers)
     if error.status in (429, 503) and not headers:
         headers["Retry-After"] = "1"
@@ -34,7 +37,7 @@ def session_not_found(user: str | None, session_id: str | None) -> ApiError:
 
 async def internal_error(_request: Request, error: Exception) -> Response:
     """A bug, never the client's input: logged with its traceback, answered in the OpenAI error shape."""
-    if isinstance(error, ApiError):
+    if isinstance(error, ApiError | Refusal):
         return error_response(error)
     _log.error("request failed", exc_info=error)
     body = ApiError(500, "internal server error; see the server log", kind="server_error").body()

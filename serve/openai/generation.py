@@ -28,7 +28,8 @@ from serve.openai import render
 from serve.openai.answers import Piece, disconnected, engine_refusals, sse_events
 from serve.openai.errors import error_response
 from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids, shared_tokens
-from serve.openai.protocol import ApiError, GenerationRequest, parse_json, parse_request
+from serve.openai.protocol import ApiError, GenerationRequest, http_error, parse_json, parse_request
+from serve.refusal import Refusal
 from serve.request import SamplingParams
 from serve.tenancy.admission import Door, Ticket, limited_params, owner_of
 from serve.tenancy.limits import LocalLimiter
@@ -152,10 +153,10 @@ class Generation:
             self.door.reserve(ticket, len(ids), params.max_tokens)
             call = _Call(request_id, chat, parsed, caller, served, ticket, asyncio.Queue(), _Timing())
             self._submit(call, ids, params, shared)
-        except ApiError as error:
+        except (ApiError, Refusal) as error:
             if ticket is not None:
                 self.door.close(ticket, 0, ran=False)
-            raise _Refused(error, caller.tier if caller is not None else None) from None
+            raise _Refused(http_error(error), caller.tier if caller is not None else None) from None
         return call
 
     async def _prompt(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from serve.openai.jsonbody import MAX_INT_DIGITS, BodyRejected, load
+from serve.refusal import Refusal
 from serve.request import SamplingParams
 from serve.tenancy.tenants import REQUESTED_SERVICE_TIERS
 
@@ -98,6 +99,29 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# A refusal's reason as HTTP states it: status and the OpenAI error type when the refusal names none.
+_HTTP: dict[str, tuple[int, str]] = {
+    "over_limit": (429, "rate_limit_error"),
+    "overloaded": (429, "rate_limit_error"),
+    "not_found": (404, "invalid_request_error"),
+    "timeout": (504, "timeout"),
+    "unavailable": (503, "unavailable"),
+}
+
+
+def http_error(error: ApiError | Refusal) -> ApiError:
+    """The HTTP answer to a refusal (an ApiError is already one): its status, the caller's limits as
+    x-ratelimit-* headers, Retry-After where a retry can succeed."""
+    if isinstance(error, ApiError):
+        return error
+    status, kind = _HTTP[error.reason]
+    headers = dict(error.limits)
+    retry = error.retry_seconds()
+    if retry is not None:
+        headers["Retry-After"] = str(retry)
+    return ApiError(status, error.message, error.param, error.code, error.kind or kind, headers)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from serve.openai.errors import error_response, internal_error, session_not_foun
 from serve.openai.generation import Generation
 from serve.openai.protocol import ApiError, session_label
 from serve.options import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK
+from serve.refusal import Refusal
 from serve.tenancy.admission import Door
 from serve.tenancy.tenants import Tenant, TenantsSource, key_digest
 from serve.variants import Variants
@@ -376,7 +377,7 @@ class Sessions:
             ticket = self.door.admit(
                 tenant, self.tenants.current.caller(tenant, None), f"del-{uuid.uuid4().hex}"
             )
-        except ApiError as error:
+        except (ApiError, Refusal) as error:
             return error_response(error)
         try:
             loop = asyncio.get_running_loop()

@@ -15,7 +15,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from serve.openai.protocol import ApiError, GenerationRequest, sampling_params
+from serve.openai.protocol import GenerationRequest, sampling_params
+from serve.refusal import Refusal
 from serve.request import Owner, SamplingParams
 from serve.tenancy.limits import LocalLimiter, Verdict
 from serve.tenancy.tenants import Caller, Tenant
@@ -24,9 +25,9 @@ if TYPE_CHECKING:
     from serve.metrics import TenantMetrics
 
 
-def refusal(verdict: Verdict, tenant: str, requested: int = 0) -> ApiError:
-    """The 429 for a limit that refused (`requested`: the tokens asked, for a token refusal)."""
-    headers = {**verdict.headers, **verdict.retry_after_header}
+def refusal(verdict: Verdict, tenant: str, requested: int = 0) -> Refusal:
+    """The refusal for a limit that refused (`requested`: the tokens asked, for a token refusal): over_limit,
+    with the tenant's limit state and when to retry (HTTP: a 429)."""
     limit = verdict.limit or "requests"
     if limit == "concurrency":
         message = f"tenant {tenant!r} has as many requests in flight as it may (max_concurrent); retry when one ends"
@@ -38,7 +39,14 @@ def refusal(verdict: Verdict, tenant: str, requested: int = 0) -> ApiError:
         )
     else:
         message = f"rate limit reached for tenant {tenant!r} on {limit} per minute; retry in {math.ceil(verdict.retry_after)} s"
-    return ApiError(429, message, code="rate_limit_exceeded", kind=limit, headers=headers)
+    return Refusal(
+        "over_limit",
+        message,
+        code="rate_limit_exceeded",
+        kind=limit,
+        retry_after=verdict.retry_after,
+        limits=verdict.headers,
+    )
 
 
 def limited_params(
@@ -89,14 +97,15 @@ class Door:
         self._lock = threading.Lock()
 
     def admit(self, tenant: Tenant, caller: Caller, request_id: str) -> Ticket:
-        """A slot and a request, or ApiError 429. The slot lapses after `hold` seconds if never given back."""
+        """A slot and a request, or a Refusal (over_limit). The slot lapses after `hold` seconds if never given
+        back."""
         verdict = self.limiter.admit(tenant, request_id, self.hold)
         if not verdict.allowed:
             raise self._refused(verdict, caller)
         return Ticket(tenant, caller, request_id, headers=dict(verdict.headers))
 
     def reserve(self, ticket: Ticket, prompt_tokens: int, max_tokens: int) -> None:
-        """prompt + max_tokens from the token bucket, or ApiError 429."""
+        """prompt + max_tokens from the token bucket, or a Refusal (over_limit)."""
         wanted = prompt_tokens + max_tokens
         verdict = self.limiter.reserve(ticket.caller, wanted)
         if not verdict.allowed:
@@ -119,6 +128,6 @@ class Door:
         if ticket.reserved:
             self.limiter.refund(ticket.caller, ticket.reserved - used)
 
-    def _refused(self, verdict: Verdict, caller: Caller, requested: int = 0) -> ApiError:
+    def _refused(self, verdict: Verdict, caller: Caller, requested: int = 0) -> Refusal:
         self.metrics.rate_limited.labels(caller.tenant, caller.tier, verdict.limit or "").inc()
         return refusal(verdict, caller.tenant, requested)

@@ -418,6 +418,7 @@ def test_the_door_refuses_the_shed_share_of_the_shed_tier_every_lower_one_and_no
 
     from serve.control.loop import ControlLoop
     from serve.metrics import ControlMetrics
+    from serve.openai.protocol import http_error
     from serve.tenancy.tenants import BUILTIN_TIERS, Caller
 
     registry = CollectorRegistry()
@@ -432,8 +433,10 @@ def test_the_door_refuses_the_shed_share_of_the_shed_tier_every_lower_one_and_no
     assert sum(refused) == 4 and refused[:5].count(True) == 2  # spread evenly, not in a run
     assert all(loop.refusal(free) is not None for _ in range(5))
     assert all(loop.refusal(priority) is None for _ in range(5))
-    error = loop.refusal(free)
-    assert error is not None and error.status == 429 and error.headers == {"Retry-After": "3"}
+    refusal = loop.refusal(free)
+    assert refusal is not None and refusal.reason == "overloaded"
+    error = http_error(refusal)  # as the OpenAI front end answers it
+    assert error.status == 429 and error.headers == {"Retry-After": "3"}
     assert registry.get_sample_value("t_slo_requests_total", {"tier": "standard", "outcome": "shed"}) == 4
 
 

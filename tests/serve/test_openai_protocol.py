@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from serve.openai.protocol import ApiError, parse_json, parse_request, sampling_params
+from serve.openai.protocol import ApiError, http_error, parse_json, parse_request, sampling_params
+from serve.refusal import REASONS, Refusal
 from serve.variants import Served, Variants
 
 
@@ -93,9 +94,10 @@ def test_context_limits_and_model_names() -> None:
         "t4",
         "t8",
     ]
-    with pytest.raises(ApiError) as caught:
+    with pytest.raises(Refusal) as refused:
         variants.pinned("other")
-    assert caught.value.status == 404 and "tiny, t8, t4" in caught.value.message
+    assert refused.value.reason == "not_found" and "tiny, t8, t4" in refused.value.message
+    assert http_error(refused.value).status == 404
     single = Variants("tiny", "3", [Served("tiny", "3", 0.0, "h", None)])  # type: ignore[arg-type]
     assert single.pinned("tiny:3") is None
     for raw in (b"{nope", b"[1]", b"\xff"):
@@ -151,3 +153,34 @@ def test_both_max_token_fields_of_a_chat_body_are_checked() -> None:
         parse_request(body, chat=True)
     body = {**body, "max_completion_tokens": None, "max_tokens": 4}
     assert parse_request(body, chat=True).max_tokens == 4
+
+
+def test_a_refusal_below_http_becomes_its_http_answer() -> None:
+    """Tenancy, the controller and the variants refuse with a transport-neutral `Refusal`; the OpenAI front end
+    states each reason as its status, passes the caller's limits on as x-ratelimit-* headers, and says
+    Retry-After only where retrying can succeed."""
+    limits = {"x-ratelimit-limit-requests": "10", "x-ratelimit-remaining-requests": "0"}
+    over = http_error(
+        Refusal("over_limit", "slow down", code="rate_limit_exceeded", retry_after=2.2, limits=limits)
+    )
+    assert (over.status, over.kind, over.code) == (429, "rate_limit_error", "rate_limit_exceeded")
+    assert over.headers == {**limits, "Retry-After": "3"}
+    never = http_error(Refusal("over_limit", "too large", kind="tokens", retry_after=float("inf")))
+    assert never.status == 429 and never.kind == "tokens" and "Retry-After" not in never.headers
+    statuses = {reason: http_error(Refusal(reason, "no")).status for reason in REASONS}
+    assert statuses == {
+        "over_limit": 429,
+        "overloaded": 429,
+        "not_found": 404,
+        "timeout": 504,
+        "unavailable": 503,
+    }
+    missing = http_error(Refusal("not_found", "no such model", "model", "model_not_found"))
+    assert missing.body() == {
+        "error": {
+            "message": "no such model",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
