@@ -19,7 +19,7 @@ from typing import Any
 
 from serve.control.controller import ControlConfig, Controller, Decision, Load, Variant
 from serve.control.loop import ControlLoop, policies
-from serve.fleet import protocol as P
+from serve.fleet import wire as P
 from serve.metrics import ControlMetrics
 from serve.tenancy.tenants import TenantsSource
 from serve.variants import top_tier_patience

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from serve.control.loop import ControlLoop
-from serve.fleet import protocol as P
+from serve.fleet import wire as P
 from serve.fleet.control import FleetControl
 from serve.fleet.reader import ReaderClosed, ResponseReader
 from serve.metrics import ControlMetrics, TenantMetrics, TenantUsage
@@ -248,7 +248,7 @@ class Gateway:
         return verdict.headers
 
     async def chunks(self, request: P.FleetRequest, tenant: Tenant) -> AsyncGenerator[P.Chunk, None]:
-        """The request's answer, each token once, across the attempts that wrote it (`protocol.Chain`); the
+        """The request's answer, each token once, across the attempts that wrote it (`wire.Chain`); the
         tenant's concurrency slot is given back when it ends, however it ends."""
         stream = P.response_stream(request.request_id)
         if self.reader is None:

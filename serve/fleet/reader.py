@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from serve.fleet import protocol as P
+from serve.fleet import wire as P
 
 if TYPE_CHECKING:
     from redis.typing import KeyT, StreamIdT

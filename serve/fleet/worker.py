@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from serve.control.controller import Knobs
 from serve.engine import Engine, RequestOutput
-from serve.fleet import protocol as P
+from serve.fleet import wire as P
 from serve.openai.answers import engine_refusals
 from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids, shared_tokens
 from serve.openai.protocol import ApiError, GenerationRequest, http_error, parse_request

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import redis
 
-from serve.fleet import protocol as P
+from serve.fleet import wire as P
 from serve.fleet.gateway import Gateway, GatewayConfig, create_gateway_app, ring_owner
 from serve.fleet.local_redis import LocalRedis
 from serve.fleet.worker import FleetWorker, WorkerConfig

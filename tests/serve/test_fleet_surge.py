@@ -18,7 +18,7 @@ import redis
 
 from serve.control.controller import ControlConfig, Knobs
 from serve.engine import EngineConfig
-from serve.fleet import protocol as P
+from serve.fleet import wire as P
 from serve.fleet.local_redis import LocalRedis
 from serve.fleet.run import host_workers
 from serve.fleet.worker import FleetWorker, WorkerConfig

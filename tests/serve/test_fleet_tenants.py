@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 
-from serve.fleet import protocol as P
+from serve.fleet import wire as P
 from serve.fleet.local_redis import LocalRedis
 from serve.http import free_port
 from serve.openai import ServerInfo
