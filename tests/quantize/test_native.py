@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 import torch
@@ -132,14 +132,19 @@ def test_prompt_sized_products_equal_each_row_alone_across_tiles_and_threads(kin
             torch.rand(n, generator=generator) / 100,
             torch.randn(n, generator=generator),
         )
-    x = torch.randn(300, k, generator=generator)
+    _each_m_equals_each_row_alone(torch.randn(300, k, generator=generator), args, range(1, 301))
+
+
+def _each_m_equals_each_row_alone(x: torch.Tensor, args: tuple, counts: Iterable[int]) -> None:
+    """kernels.linear(x[:M], *args) equals each of its rows computed alone, bit for bit, for every M in `counts`,
+    on 1 and 2 threads."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         alone = torch.cat([kernels.linear(x[i : i + 1], *args) for i in range(x.shape[0])])
         for count in (1, 2):
             torch.set_num_threads(count)
-            for rows in range(1, x.shape[0] + 1):
+            for rows in counts:
                 assert torch.equal(kernels.linear(x[:rows], *args), alone[:rows]), (rows, count)
     finally:
         torch.set_num_threads(threads)
@@ -283,17 +288,8 @@ def test_int8_activation_prompts_equal_each_row_alone_across_tiles_and_threads(i
         tensors["zero_point"],
         8,
     )
-    x = torch.randn(300, k, generator=generator)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([kernels.linear(x[i : i + 1], *args) for i in range(x.shape[0])])
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            for rows in (*range(1, 60), *range(60, 301, 7), 300):
-                assert torch.equal(kernels.linear(x[:rows], *args), alone[:rows]), (rows, count)
-    finally:
-        torch.set_num_threads(threads)
+    counts = (*range(1, 60), *range(60, 301, 7), 300)
+    _each_m_equals_each_row_alone(torch.randn(300, k, generator=generator), args, counts)
 
 
 def test_both_builds_compute_the_same_int8_bits() -> None:

@@ -199,6 +199,18 @@ void lin_cols_i8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_
   }
 }
 
+// Rows m .. m + rows - 1 x columns n .. n + cols - 1 of y from an int4 GEMM's double totals (row stride `width`),
+// each rounded to float once and stored as store_rows stores it.
+inline void store_totals(const Lin& L, int64_t n, int cols, const double* total, int width, const float* row_scale,
+                         int64_t m, int rows, float* y, int64_t ldy, bool accumulate) {
+  float out[1];
+  for (int j = 0; j < rows; ++j)
+    for (int c = 0; c < cols; ++c) {
+      out[0] = static_cast<float>(total[j * width + c]);
+      store_rows(L, n + c, out, row_scale, m + j, 1, y, ldy, accumulate);
+    }
+}
+
 // The int4 product (linear.h) for prompt-sized activations, from the packed weights: per panel of kPanel weight
 // rows, every group's nibbles minus its zero points are packed once as int16 pairs (pack_panel_i4; the panel of
 // the whole K stays in L2), then kTall activation rows at a time run the int8 GEMM's micro-kernel group after
@@ -212,7 +224,6 @@ void gemm_i4(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1
   std::vector<double> scale(groups * kPanel);
   alignas(32) int32_t sums[kTall * kPanel];
   alignas(32) double total[kTall * kPanel];
-  float out[1];
   for (int64_t n = n0; n < n1; n += kPanel) {
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, n1 - n));
     for (int64_t g = 0; g < groups; ++g) {
@@ -234,11 +245,7 @@ void gemm_i4(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t n1
             _mm256_store_pd(t, _mm256_fmadd_pd(_mm256_loadu_pd(sg + c), term, _mm256_load_pd(t)));
           }
       }
-      for (int j = 0; j < rows; ++j)
-        for (int c = 0; c < cols; ++c) {
-          out[0] = static_cast<float>(total[j * kPanel + c]);
-          store_rows(L, n + c, out, a.scale, m + j, 1, y, ldy, accumulate);
-        }
+      store_totals(L, n, cols, total, kPanel, a.scale, m, rows, y, ldy, accumulate);
     }
   }
 }
@@ -256,7 +263,6 @@ void gemm_i4_a8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t
   std::vector<int32_t> zero(groups * kPanelA8);
   alignas(32) int32_t sums[kTallA8 * kPanelA8];
   alignas(32) double total[kTallA8 * kPanelA8];
-  float out[1];
   for (int64_t n = n0; n < n1; n += kPanelA8) {
     const int cols = static_cast<int>(std::min<int64_t>(kPanelA8, n1 - n));
     pack_panel_a8(w, L.ldw, n, cols, K, panel.data());
@@ -287,11 +293,7 @@ void gemm_i4_a8(const Lin& L, Act& a, float* y, int64_t ldy, int64_t n0, int64_t
           }
         }
       }
-      for (int j = 0; j < rows; ++j)
-        for (int c = 0; c < cols; ++c) {
-          out[0] = static_cast<float>(total[j * kPanelA8 + c]);
-          store_rows(L, n + c, out, a.scale, m + j, 1, y, ldy, accumulate);
-        }
+      store_totals(L, n, cols, total, kPanelA8, a.scale, m, rows, y, ldy, accumulate);
     }
   }
 }
