@@ -626,7 +626,7 @@ def _deletes_server(model: Path, out: Path) -> tuple[Any, Any]:
     from quantize.model.sources import load_model, load_tokenizer, resolve_model
     from serve.engine import Engine, EngineConfig
     from serve.openai import ServerInfo
-    from serve.openai.routes import create_app
+    from serve.server import create_app
     from serve.tenancy.tenants import TenantsSource
 
     tenants = out / "tenants.toml"

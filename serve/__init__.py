@@ -15,9 +15,10 @@ if TYPE_CHECKING:
     from serve.http import BackgroundServer
     from serve.launch import run_server
     from serve.loading import build_engine, load_for_serving
-    from serve.openai.routes import ServerInfo, create_app
+    from serve.openai.routes import ServerInfo
     from serve.options import ServeOptions
     from serve.request import SamplingParams
+    from serve.server import create_app
 
 _EXPORTS = {
     "Engine": "serve.engine",
@@ -30,7 +31,7 @@ _EXPORTS = {
     "build_engine": "serve.loading",
     "BackgroundServer": "serve.http",
     "ServerInfo": "serve.openai.routes",
-    "create_app": "serve.openai.routes",
+    "create_app": "serve.server",
 }
 __all__ = [
     "BackgroundServer",

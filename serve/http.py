@@ -15,7 +15,8 @@ import time
 from typing import Any
 
 from serve.engine import Engine
-from serve.openai.routes import ServerInfo, create_app
+from serve.openai.routes import ServerInfo
+from serve.server import create_app
 from serve.variants import Variants
 
 

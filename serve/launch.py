@@ -13,8 +13,9 @@ from serve.control.controller import ControlConfig
 from serve.fleet.run import run_all, run_gateway, run_worker
 from serve.http import serve_app
 from serve.loading import start_variants
-from serve.openai.routes import ServerInfo, create_app, docs_served
+from serve.openai.routes import ServerInfo, docs_served
 from serve.options import LOOPBACK, ServeOptions
+from serve.server import create_app
 from serve.tenancy.tenants import TenantsSource
 from serve.variants import prioritize, top_tier_patience
 

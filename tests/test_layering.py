@@ -217,7 +217,7 @@ def test_only_the_launchers_of_serve_read_its_command_line_options() -> None:
 # that start them, nothing imports `serve.openai`; refusals go up as `serve.refusal.Refusal`, which the front ends
 # map onto their answers. The edges not yet moved down, each with why it is still there:
 SERVE_HTTP_USERS = ("serve.openai", "serve.fleet")
-SERVE_HTTP_STARTERS = {"serve", "serve.launch", "serve.http"}
+SERVE_HTTP_STARTERS = {"serve", "serve.launch", "serve.http", "serve.server"}
 SERVE_HTTP_DEBT = {
     ("serve.tenancy.admission", "serve.openai.protocol"): "limited_params reads the parsed request type",
 }

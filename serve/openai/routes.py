@@ -1,5 +1,6 @@
 """The HTTP routes in front of the engine: thin handlers over `protocol` (parsing), `prompts` (tokenizing) and
-`render` (response bodies), behind a guard that treats every request as hostile.
+`render` (response bodies), behind a guard that treats every request as hostile. What runs around them (the
+engine and controller threads, the drain, building the controller) is `serve.server`'s.
 
 - `Guard` (plain ASGI, in front of everything under /v1): the API key names the tenant (`serve.tenancy`: sha256
   digests compared in constant time, every configured key compared, none logged), which the request carries from
@@ -35,11 +36,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import threading
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -48,13 +47,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
-from serve.control.controller import ControlConfig, Controller, Decision, Load, Variant
-from serve.control.loop import ControlLoop, policies
+from serve.control.controller import ControlConfig
 from serve.engine import Engine
-from serve.metrics import ControlMetrics, Labelled, TenantMetrics
+from serve.metrics import Labelled
 from serve.metrics import render as render_metrics
 from serve.openai import schema
-from serve.openai.errors import error_response, internal_error, session_not_found
+from serve.openai.errors import error_response, session_not_found
 from serve.openai.generation import Generation
 from serve.openai.protocol import ApiError, session_label
 from serve.options import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK
@@ -200,26 +198,18 @@ async def _send_error(send: Send, error: ApiError) -> None:
     await send({"type": "http.response.body", "body": response.body})
 
 
-def create_app(target: Engine | Variants, info: ServerInfo) -> FastAPI:
-    """The API over one engine, or over several variants of one model (each its own engine, on its own thread),
-    with the surge controller's loop beside them when `info.control` asks for one."""
-    variants = target if isinstance(target, Variants) else Variants.single(target, info.name, info.version)
-    registry = CollectorRegistry()
-    tenant_metrics, control_metrics = TenantMetrics(registry, "qpack"), ControlMetrics(registry, "qpack")
-    control = _control_loop(variants, info, control_metrics)
-    generation = Generation(variants, info.tenants, control, tenant_metrics, info.request_timeout)
-    state: dict[str, Any] = {"draining": False, "threads": []}
+def add_routes(
+    app: FastAPI,
+    variants: Variants,
+    info: ServerInfo,
+    generation: Generation,
+    sessions: Sessions,
+    registry: CollectorRegistry,
+    draining: Callable[[], bool],
+) -> None:
+    """The API's routes over the variants of one model: completions and chat (`generation`), the models, the
+    session deletions (`sessions`), health (503 while `draining`) and metrics (`registry` and the engines')."""
     engines = [served.engine for served in variants]
-    app = fastapi_app("qpack serve", info, lifespan=_lifespan(variants, control, generation, state))
-    app.state.variants = variants
-    app.state.info = info
-    app.state.control = control
-    app.state.tenant_metrics = tenant_metrics
-    app.state.server_state = state
-    app.state.start_draining = lambda: state.update(draining=True)
-    app.add_middleware(Guard, info=info, draining=lambda: bool(state["draining"]))
-    app.add_exception_handler(Exception, internal_error)
-
     primary = variants.primary.engine
     shape = partial(
         schema.generation,
@@ -240,9 +230,6 @@ def create_app(target: Engine | Variants, info: ServerInfo) -> FastAPI:
     async def models() -> dict[str, Any]:
         return _models(variants, info)
 
-    sessions = Sessions(engines, info.tenants, generation.door)
-    state["sessions"] = sessions
-
     @app.delete("/v1/sessions/{session_id}", openapi_extra=schema.sessions(one=True))
     async def delete_session(request: Request) -> Response:
         """A privacy request: the session's stored KV leaves every tier (and the pool's prefix cache) of every
@@ -257,7 +244,7 @@ def create_app(target: Engine | Variants, info: ServerInfo) -> FastAPI:
 
     @app.get("/health", openapi_extra=schema.health())
     async def health() -> Response:
-        if state["draining"]:
+        if draining():
             return JSONResponse({"status": "draining"}, status_code=503)
         running = sum(len(e.scheduler.running) for e in engines)
         waiting = sum(e.scheduler.num_waiting for e in engines)
@@ -267,50 +254,6 @@ def create_app(target: Engine | Variants, info: ServerInfo) -> FastAPI:
     async def metrics() -> Response:
         return Response(_metrics(registry, variants), media_type="text/plain; version=0.0.4")
 
-    return app
-
-
-def _lifespan(
-    variants: Variants, control: ControlLoop, generation: Generation, state: dict[str, Any]
-) -> Callable[[FastAPI], Any]:
-    """Each variant's engine on a thread and the controller's loop on another, from start-up; at shutdown,
-    requests finish (the server drains), then the threads stop and the engines write out their tiers."""
-    stop_event = threading.Event()
-    engines = [served.engine for served in variants]
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        threads = [
-            threading.Thread(
-                target=s.engine.run, args=(stop_event,), name=f"qpack-engine-{s.name}", daemon=True
-            )
-            for s in variants
-        ]
-        threads.append(
-            threading.Thread(target=control.run, args=(stop_event,), name="qpack-control", daemon=True)
-        )
-        for thread in threads:
-            thread.start()
-        state["threads"] = threads
-        try:
-            yield
-        finally:
-            state["draining"] = True
-            while any(e.has_work() for e in engines):
-                await asyncio.sleep(0.05)
-            stop_event.set()
-            for engine in engines:
-                engine.wake()
-            for thread in threads:
-                thread.join(timeout=10)
-            generation.shutdown()
-            if "sessions" in state:
-                state["sessions"].shutdown()
-            for engine in engines:
-                engine.close()
-
-    return lifespan
-
 
 def _metrics(registry: CollectorRegistry, variants: Variants) -> bytes:
     """The server's own metrics and its engines': one engine's as they are, several labelled by variant."""
@@ -319,23 +262,6 @@ def _metrics(registry: CollectorRegistry, variants: Variants) -> bytes:
     merged = CollectorRegistry()
     merged.register(Labelled("variant", {s.name: s.engine.metrics.registry for s in variants}))
     return render_metrics(registry, merged)
-
-
-def _control_loop(variants: Variants, info: ServerInfo, metrics: ControlMetrics) -> ControlLoop:
-    """The controller's loop over these variants (without `info.control`: the ledger and its metrics only)."""
-    tiers = info.tenants.current.tiers
-    controller = None
-    if info.control is not None:
-        controller = Controller(info.control, policies(tiers), [Variant(s.name, s.kl) for s in variants])
-
-    def loads() -> dict[str, Load]:
-        return {s.name: s.engine.load() for s in variants}
-
-    def apply(decision: Decision) -> None:
-        for served in variants:
-            served.engine.configure(decision.knobs)
-
-    return ControlLoop(tiers, variants.names, loads, apply, metrics, controller)
 
 
 def _models(variants: Variants, info: ServerInfo) -> dict[str, Any]:

@@ -17,8 +17,9 @@ from quantize.common.errors import QpackError
 from serve.fleet import run, worker_process
 from serve.fleet.gateway import Gateway, GatewayConfig, create_gateway_app
 from serve.http import free_port
-from serve.openai.routes import ServerInfo, create_app, docs_served
+from serve.openai.routes import ServerInfo, docs_served
 from serve.options import ServeOptions, redacted
+from serve.server import create_app
 from tests.serve.test_api import make_engine
 
 PASSWORD = "hunter2-s3cret"
