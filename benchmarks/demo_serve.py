@@ -8,7 +8,8 @@ from pathlib import Path
 
 import httpx
 
-from serve.engine import EngineConfig
+from serve.engine.config import CacheConfig
+from serve.engine.core import EngineConfig
 from serve.http import BackgroundServer
 from serve.loading import build_engine, describe, load_for_serving
 from serve.openai import ServerInfo
@@ -17,7 +18,7 @@ from serve.openai import ServerInfo
 def main() -> None:
     artifact = Path(sys.argv[1] if len(sys.argv) > 1 else "out/artifact")
     loaded = load_for_serving(str(artifact))
-    engine = build_engine(loaded, EngineConfig(kv_memory="256MB"))
+    engine = build_engine(loaded, EngineConfig(cache=CacheConfig(memory="256MB")))
     print(describe(engine))
     with BackgroundServer(engine, ServerInfo(loaded.name, loaded.version)) as url:
         print(f"serving {loaded.name} v{loaded.version} at {url}")

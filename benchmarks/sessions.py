@@ -1,4 +1,4 @@
-"""Returning conversations: multi-turn ShareGPT replay against `qpack serve` with and without KV tiers.
+"""Returning conversations: multi-turn ShareGPT replay against `qpack serve` with and without KV offload.
 
 Sessions are real ShareGPT conversations with at least `--turns` user turns. Turn t of a session is sent as the
 whole conversation so far plus the next user message, as a chat client does: ShareGPT's user messages and the
@@ -27,7 +27,7 @@ T1 and T2 are sized to hold every session's history: the replay cycles through a
 under such a cyclic pattern an LRU tier smaller than the working set hits almost never.
 
 Greedy outputs of every run are compared with `none` token for token (as text). `--batch-invariant` serves every
-run in that mode (serve/runner.py), where reused KV is the same bits as recomputed KV.
+run in that mode (serve/core/runner.py), where reused KV is the same bits as recomputed KV.
 
     python benchmarks/sessions.py out/perf/int8 --out out/sessions
 
@@ -58,6 +58,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from serve.engine.config import CacheConfig, OffloadConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 8  # the server's default --block-size
@@ -284,10 +286,10 @@ def store_bound(out: Path, host_bytes: int, disk_bytes: int, sessions: int = 10_
     import psutil
     import torch
 
-    from serve.engine import write_queue_bytes
-    from serve.tiers.codec import BlockLayout
-    from serve.tiers.stores import DiskStore, HostStore
-    from serve.tiers.tiered import TieredKV
+    from serve.engine.builder import write_queue_bytes
+    from serve.offload.codec import BlockLayout
+    from serve.offload.manager import OffloadManager
+    from serve.offload.stores import DiskStore, HostStore
 
     layout = BlockLayout(b"s" * 32, torch.float32, 8, 30, 3, 64)
     folder = out / "store-t2"
@@ -307,7 +309,7 @@ def store_bound(out: Path, host_bytes: int, disk_bytes: int, sessions: int = 10_
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    tiers = TieredKV(
+    tiers = OffloadManager(
         layout,
         HostStore(host_bytes),
         DiskStore(folder, disk_bytes),
@@ -560,7 +562,7 @@ def _damage_fate(damage: dict[Path, bytes], disk: Path) -> dict[str, int]:
     """What became of each damaged file: deleted (read, refused and counted, or evicted), overwritten (read,
     refused and recomputed, or recomputed after an earlier block of its chain was refused), or untouched (never
     read); and how many files in T2 now fail their checksum (must be exactly the untouched ones)."""
-    from serve.tiers.codec import intact
+    from serve.offload.codec import intact
 
     fate = {"damaged": len(damage), "deleted": 0, "overwritten": 0, "untouched": 0}
     for path, data in damage.items():
@@ -576,11 +578,11 @@ def _damage_fate(damage: dict[Path, bytes], disk: Path) -> dict[str, int]:
 
 def _tier_metrics(values: dict[str, float]) -> dict[str, float]:
     picks = {
-        "hits_host": 'qpack_kv_tier_hits_total{tier="host"}',
-        "hits_disk": 'qpack_kv_tier_hits_total{tier="disk"}',
-        "misses": "qpack_kv_tier_misses_total",
-        "dropped": "qpack_kv_tier_dropped_writes_total",
-        "corrupt_disk": 'qpack_kv_tier_corrupt_blocks_total{tier="disk"}',
+        "hits_host": 'qpack_kv_offload_hits_total{store="host"}',
+        "hits_disk": 'qpack_kv_offload_hits_total{store="disk"}',
+        "misses": "qpack_kv_offload_misses_total",
+        "dropped": "qpack_kv_offload_dropped_writes_total",
+        "corrupt_disk": 'qpack_kv_offload_corrupt_blocks_total{store="disk"}',
         "cached_prompt_tokens": "qpack_prompt_tokens_cached_total",
         "prompt_tokens": "qpack_prompt_tokens_total",
     }
@@ -624,7 +626,7 @@ def _deletes_server(model: Path, out: Path) -> tuple[Any, Any]:
     """An engine with T1 and T2 under `out` and its API with DELETE_TENANTS tenants (keys `key-0`...), plus a
     route that starts the event-loop ticker."""
     from quantize.model.sources import load_model, load_tokenizer, resolve_model
-    from serve.engine import Engine, EngineConfig
+    from serve.engine.core import Engine, EngineConfig
     from serve.openai import ServerInfo
     from serve.server import create_app
     from serve.tenancy.tenants import TenantsSource
@@ -634,10 +636,8 @@ def _deletes_server(model: Path, out: Path) -> tuple[Any, Any]:
     shutil.rmtree(out / "t2", ignore_errors=True)
     source = resolve_model(str(model))
     config = EngineConfig(
-        kv_memory="64MB",
-        kv_host_memory=256 * 2**20,
-        kv_disk=str(out / "t2"),
-        kv_disk_size=1024 * 2**20,
+        cache=CacheConfig(memory="64MB"),
+        offload=OffloadConfig(host_memory=256 * 2**20, disk=str(out / "t2"), disk_size=1024 * 2**20),
         max_model_len=512,
     )
     engine = Engine(load_model(source), load_tokenizer(source), config)
@@ -662,7 +662,7 @@ def _deletes_server(model: Path, out: Path) -> tuple[Any, Any]:
 def _index_sessions(engine: Any, count: int) -> None:
     """`count` sessions over the tenants, each holding one block key (not stored: the index is what is
     measured), as if recorded earlier."""
-    tiers = engine.tiers.tiers
+    tiers = engine.offload.manager
     per = count // DELETE_TENANTS
     now = time.time() - 3600
     with tiers._lock:
@@ -774,7 +774,7 @@ def measure_deletes(model: Path | None, out: Path, indexed: int, seconds: float)
     result: dict[str, Any] = {
         "cpu": _cpu(),
         "model": str(model),
-        "indexed": len(engine.tiers.tiers.index),
+        "indexed": len(engine.offload.manager.index),
         "index_seconds": round(time.perf_counter() - started, 1),
     }
     print(f"CPU: {result['cpu']}; {result['indexed']:,} sessions indexed", flush=True)
@@ -784,7 +784,7 @@ def measure_deletes(model: Path | None, out: Path, indexed: int, seconds: float)
         print("without DELETEs", json.dumps(result["without_deletes"]), flush=True)
         result["with_deletes"] = _phase(url, app, steps, seconds, 2)
         print("with DELETEs   ", json.dumps(result["with_deletes"]), flush=True)
-    result["indexed_after"] = len(engine.tiers.tiers.index)
+    result["indexed_after"] = len(engine.offload.manager.index)
     engine.close()
     return result
 

@@ -30,6 +30,9 @@ from typing import Any
 
 import torch
 
+from serve.core.config import SchedulerConfig
+from serve.engine.config import CacheConfig, SpeculationConfig
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODES = ("off", "ngram", "draft", "auto")
@@ -84,7 +87,7 @@ def _set_mode(engine: Any, mode: str) -> None:
 
 def _run(engine: Any, texts: list[str], max_tokens: int, mode: str, tag: str) -> list[dict[str, Any]]:
     """Decode `texts` together (greedy) in `mode`; per request: ids, tokens/s after the first token."""
-    from serve.request import SamplingParams
+    from serve.core.request import SamplingParams
 
     _set_mode(engine, mode)
     tokenizer = engine.tokenizer
@@ -204,7 +207,7 @@ def load(engine: Any, concurrency: int, count: int, max_tokens: int, seed: int) 
     """ShareGPT at a fixed concurrency (closed loop, `count` requests), off vs auto alternating twice: output
     tokens/s over the whole run."""
     from qpack.bench.serving import sharegpt_requests
-    from serve.request import SamplingParams
+    from serve.core.request import SamplingParams
 
     tokenizer = engine.tokenizer
     requests = sharegpt_requests(tokenizer, count, 512, max_tokens, seed)
@@ -268,7 +271,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from quantize.runtime.kernels import ops as kernels
-    from serve.engine import EngineConfig
+    from serve.engine.core import EngineConfig
     from serve.loading import build_engine, load_draft, load_for_serving
 
     out = Path(args.out)
@@ -276,14 +279,11 @@ def main() -> None:
     loaded = load_for_serving(args.target)
     draft = load_draft(args.draft, loaded)
     config = EngineConfig(
-        kv_memory="768MB",
-        max_num_seqs=32,
-        max_num_batched_tokens=1024,
-        enable_prefix_caching=False,
-        speculative="auto",
-        speculative_k=args.k,
-        speculative_max_batch=args.max_batch,
-        draft_kv_memory="256MB",
+        cache=CacheConfig(memory="768MB", prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024),
+        speculation=SpeculationConfig(
+            mode="auto", k=args.k, max_batch=args.max_batch, draft_kv_memory="256MB"
+        ),
     )
     engine = build_engine(loaded, config, draft)
     texts = prompts(loaded.tokenizer, args.prompts, args.seed)

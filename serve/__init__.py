@@ -11,20 +11,20 @@ from typing import TYPE_CHECKING
 from quantize.common.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from serve.engine import Engine, EngineConfig, RequestOutput
+    from serve.core.request import SamplingParams
+    from serve.engine.core import Engine, EngineConfig, RequestOutput
     from serve.http import BackgroundServer
     from serve.launch import run_server
     from serve.loading import build_engine, load_for_serving
     from serve.openai.routes import ServerInfo
     from serve.options import ServeOptions
-    from serve.request import SamplingParams
     from serve.server import create_app
 
 _EXPORTS = {
-    "Engine": "serve.engine",
-    "EngineConfig": "serve.engine",
-    "RequestOutput": "serve.engine",
-    "SamplingParams": "serve.request",
+    "Engine": "serve.engine.core",
+    "EngineConfig": "serve.engine.core",
+    "RequestOutput": "serve.engine.core",
+    "SamplingParams": "serve.core.request",
     "ServeOptions": "serve.options",
     "run_server": "serve.launch",
     "load_for_serving": "serve.loading",

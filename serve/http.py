@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from serve.engine import Engine
+from serve.engine.core import Engine
 from serve.openai.routes import ServerInfo
 from serve.server import create_app
 from serve.variants import Variants

@@ -8,4 +8,9 @@ importing torch (so `qpack --help` stays instant) and without the KV code reachi
 from __future__ import annotations
 
 KV_DTYPE_NAMES = ("float32", "bfloat16", "float16")
-CODECS = ("zstd", "zlib", "lz4", "none")  # of stored KV blocks (serve/tiers/codec.py), by their stored index
+CODECS = (
+    "zstd",
+    "zlib",
+    "lz4",
+    "none",
+)  # of stored KV blocks (serve/offload/codec.py), by their stored index

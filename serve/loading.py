@@ -20,8 +20,10 @@ from torch import nn
 from quantize.common.config import one_of
 from quantize.common.errors import QpackError
 from quantize.common.sizes import parse_size
-from serve.engine import Engine, EngineConfig
-from serve.kv_cache import KV_DTYPES
+from serve.core.config import SchedulerConfig
+from serve.engine import loop
+from serve.engine.config import CacheConfig, EngineConfig, OffloadConfig, SpeculationConfig
+from serve.engine.core import Engine
 from serve.options import MODEL_DTYPES, ServeOptions
 from serve.variants import Served, Variants
 
@@ -129,26 +131,26 @@ def build_engine(loaded: LoadedModel, config: EngineConfig, draft: nn.Module | N
 def describe(engine: Engine) -> str:
     from quantize.runtime.kernels import ops as kernels
 
-    tokens = engine.num_blocks * engine.config.block_size
+    tokens = engine.num_blocks * engine.config.cache.block_size
     decode_kernels = (
         f"native ({(kernels.isa() or '').upper().replace('AVX512', 'AVX-512 VNNI')})"
         if kernels.ready()
         else f"torch ({kernels.unavailable_reason() or 'not built'})"
     )
-    config = engine.config
-    tiers = []
-    if config.kv_host_memory:
-        tiers.append(f"host memory {config.kv_host_memory / 2**20:.0f} MiB")
-    if config.kv_disk:
-        tiers.append(f"disk {config.kv_disk} ({config.kv_disk_size / 2**30:.1f} GiB)")
+    cache, offload = engine.config.cache, engine.config.offload
+    stores = []
+    if offload.host_memory:
+        stores.append(f"host memory {offload.host_memory / 2**20:.0f} MiB")
+    if offload.disk:
+        stores.append(f"disk {offload.disk} ({offload.disk_size / 2**30:.1f} GiB)")
     return (
-        f"KV cache: {engine.num_blocks:,} blocks x {config.block_size} tokens = {tokens:,} tokens "
-        f"({engine.kv_bytes / 2**20:.0f} MiB {str(config.kv_dtype).removeprefix('torch.')}, "
+        f"KV cache: {engine.num_blocks:,} blocks x {cache.block_size} tokens = {tokens:,} tokens "
+        f"({engine.kv_bytes / 2**20:.0f} MiB {cache.dtype}, "
         f"{engine.kv_bytes_per_token / 1024:.1f} KiB/token); "
         f"max context {engine.max_model_len:,} tokens; decode kernels: {decode_kernels}"
         + (
-            f"; stored KV for returning conversations: {', '.join(tiers)} ({config.kv_codec})"
-            if tiers
+            f"; stored KV for returning conversations: {', '.join(stores)} ({offload.codec})"
+            if stores
             else ""
         )
     )
@@ -169,7 +171,7 @@ def start_engine(
     engine = build_engine(loaded, engine_config(options), draft)
     if options.compile:
         log("compiling the decode step (torch.compile)...")
-        engine.warmup()
+        loop.warmup(engine)
     log(f"qpack serve {loaded.name} v{loaded.version} ({loaded.source})")
     log(describe(engine))
     return loaded, engine
@@ -189,7 +191,7 @@ def reference_name(target: str) -> str:
 
 def start_variants(options: ServeOptions, log: Callable[[str], None]) -> Variants:
     """`target` and every one of `variants`, each with its own engine (and KV pool of `kv_memory`), served under
-    one name. They must be builds of one model: their manifests name the same source weights."""
+    one name. They must be variants of one model: their manifests name the same source weights."""
     loaded = [start_engine(options, log, target) for target in (options.target or "", *options.variants)]
     if len(loaded) == 1:
         model, engine = loaded[0]
@@ -212,29 +214,38 @@ def start_variants(options: ServeOptions, log: Callable[[str], None]) -> Variant
 
 
 def engine_config(options: ServeOptions) -> EngineConfig:
-    """The engine's config for what `qpack serve` was asked."""
+    """The engine's config for what `qpack serve` was asked: the one place the command line's options are mapped
+    onto the engine's nested configs."""
     return EngineConfig(
-        block_size=options.block_size,
-        kv_memory=options.kv_memory,
-        kv_dtype=KV_DTYPES[options.kv_dtype],
-        max_num_batched_tokens=options.max_num_batched_tokens,
-        max_num_seqs=options.max_num_seqs,
-        max_queue=options.max_queue,
-        prefill_chunk=options.prefill_chunk,
-        admission_wait=options.admission_wait,
+        scheduler=SchedulerConfig(
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            prefill_chunk=options.prefill_chunk,
+            admission_wait=options.admission_wait,
+            max_queue=options.max_queue,
+        ),
+        cache=CacheConfig(
+            block_size=options.block_size,
+            memory=options.kv_memory,
+            dtype=options.kv_dtype,
+            prefix_caching=options.prefix_caching,
+            isolate_users=options.isolate_users,
+        ),
+        offload=OffloadConfig(
+            host_memory=parse_size(options.kv_host_memory, "kv_host_memory"),
+            disk=options.kv_disk,
+            disk_size=parse_size(options.kv_disk_size, "kv_disk_size"),
+            codec=options.kv_codec,
+            session_ttl=options.session_ttl,
+        ),
+        speculation=SpeculationConfig(
+            mode=options.speculative,
+            k=options.speculative_k,
+            max_batch=options.speculative_max_batch,
+            draft_kv_memory=options.draft_kv_memory,
+        ),
         max_model_len=options.max_model_len,
-        enable_prefix_caching=options.prefix_caching,
         compile=options.compile,
         batch_invariant=options.batch_invariant,
         prefill_dtype=options.prefill_dtype,
-        kv_host_memory=parse_size(options.kv_host_memory, "kv_host_memory"),
-        kv_disk=options.kv_disk,
-        kv_disk_size=parse_size(options.kv_disk_size, "kv_disk_size"),
-        kv_codec=options.kv_codec,
-        session_ttl=options.session_ttl,
-        isolate_users=options.isolate_users,
-        speculative=options.speculative,
-        speculative_k=options.speculative_k,
-        speculative_max_batch=options.speculative_max_batch,
-        draft_kv_memory=options.draft_kv_memory,
     )

@@ -241,23 +241,27 @@ class Metrics:
             "qpack_preemptions", "Sequences preempted for lack of KV blocks", registry=r
         )
         self.steps = Counter("qpack_engine_steps", "Engine steps", registry=r)
-        self.tier_hits = Counter("qpack_kv_tier_hits", "Blocks found in a tier", ["tier"], registry=r)
-        self.tier_misses = Counter("qpack_kv_tier_misses", "Tier lookups that found nothing", registry=r)
-        self.tier_written = Counter(
-            "qpack_kv_tier_written", "Blocks written through to a tier", ["tier"], registry=r
+        self.offload_hits = Counter(
+            "qpack_kv_offload_hits", "Blocks found in a KV offload store", ["store"], registry=r
         )
-        self.tier_dropped = Counter(
-            "qpack_kv_tier_dropped_writes", "Write-throughs dropped because the queue was full", registry=r
+        self.offload_misses = Counter(
+            "qpack_kv_offload_misses", "Offload lookups that found nothing", registry=r
         )
-        self.tier_corrupt = Counter(
-            "qpack_kv_tier_corrupt_blocks",
+        self.offload_written = Counter(
+            "qpack_kv_offload_written", "Blocks written through to a KV offload store", ["store"], registry=r
+        )
+        self.offload_dropped = Counter(
+            "qpack_kv_offload_dropped_writes", "Write-throughs dropped because the queue was full", registry=r
+        )
+        self.offload_corrupt = Counter(
+            "qpack_kv_offload_corrupt_blocks",
             "Stored blocks refused (damaged, truncated, foreign)",
-            ["tier"],
+            ["store"],
             registry=r,
         )
-        self.tier_load = Histogram(
-            "qpack_kv_tier_load_seconds",
-            "Time to load one lookup's blocks from the tiers",
+        self.offload_load = Histogram(
+            "qpack_kv_offload_load_seconds",
+            "Time to load one lookup's blocks from the offload stores",
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
@@ -266,20 +270,20 @@ class Metrics:
 
         self.tenants = TenantUsage(r, "qpack", "Time from arrival to a seat in the batch")
 
-    def tier_event(self, event: str, tier: str, value: float) -> None:
-        """What the tiers report (any thread)."""
+    def offload_event(self, event: str, store: str, value: float) -> None:
+        """What the KV offload reports (any thread): `store` is host or disk."""
         if event == "hit":
-            self.tier_hits.labels(tier=tier).inc(value)
+            self.offload_hits.labels(store=store).inc(value)
         elif event == "miss":
-            self.tier_misses.inc(value)
+            self.offload_misses.inc(value)
         elif event == "written":
-            self.tier_written.labels(tier=tier).inc(value)
+            self.offload_written.labels(store=store).inc(value)
         elif event == "dropped":
-            self.tier_dropped.inc(value)
+            self.offload_dropped.inc(value)
         elif event == "corrupt":
-            self.tier_corrupt.labels(tier=tier).inc(value)
+            self.offload_corrupt.labels(store=store).inc(value)
         elif event == "load_seconds":
-            self.tier_load.observe(value)
+            self.offload_load.observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

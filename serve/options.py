@@ -20,7 +20,17 @@ from quantize.common.config import Problems
 from quantize.common.errors import QpackError
 from quantize.common.sizes import parse_size
 from quantize.runtime.precision import DEFAULT_PREFILL_DTYPE, PREFILL_DTYPE_NAMES
+from serve.core.config import SchedulerConfig
+from serve.engine.config import CacheConfig, OffloadConfig, SpeculationConfig
 from serve.kv_formats import CODECS, KV_DTYPE_NAMES
+
+# the engine's settings are declared in its configs; an option's default is theirs
+_SCHEDULER, _CACHE, _OFFLOAD, _SPECULATION = (
+    SchedulerConfig(),
+    CacheConfig(),
+    OffloadConfig(),
+    SpeculationConfig(),
+)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 ROLES = ("single", "gateway", "worker", "all")
@@ -54,7 +64,7 @@ class ServeOptions:
     target: str | None
     """Artifact directory, or a model (HF folder, .gguf, Hub id, alias); not needed by the gateway role."""
     variants: tuple[str, ...] = ()
-    """More artifacts of the same model (`qpack serve A B`: its int4 build beside the int8 one), each with its own
+    """More artifacts of the same model (`qpack serve A B`: its int4 variant beside the int8 one), each with its own
     engine and KV pool; with `control`, lower tiers move to the cheaper one under load."""
     model_name: str | None = None
     """The name this server or worker answers to (default: the artifact's, or with `variants` the name of the
@@ -63,21 +73,21 @@ class ServeOptions:
     """Address to bind (default loopback only)."""
     port: int = 8000
     """Port."""
-    kv_memory: str = "512MB"
+    kv_memory: str = str(_CACHE.memory)
     """KV pool size: bytes (512MB, 2GiB) or a fraction of free memory."""
-    block_size: int = 8
+    block_size: int = _CACHE.block_size
     """Tokens per KV block (smaller: less of the pool left unfilled)."""
-    kv_dtype: str = "float32"
+    kv_dtype: str = _CACHE.dtype
     """KV pool element type: float32, bfloat16 (half the memory) or float16."""
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens
     """Token budget per step."""
-    max_num_seqs: int = 32
+    max_num_seqs: int = _SCHEDULER.max_num_seqs
     """Sequences per batch."""
-    max_queue: int = 256
+    max_queue: int = _SCHEDULER.max_queue
     """Waiting requests before 429."""
-    prefill_chunk: int | None = None
+    prefill_chunk: int | None = _SCHEDULER.prefill_chunk
     """Prompt tokens one request may prefill per step (default: the step's token budget)."""
-    admission_wait: float = 0.0
+    admission_wait: float = _SCHEDULER.admission_wait
     """Seconds an arriving request may be held to batch it with later ones (a static batching window)."""
     control: bool = False
     """Run the surge controller: latency or throughput mode from the traffic forecast, shedding the lowest tier
@@ -103,7 +113,7 @@ class ServeOptions:
     """Largest request body; bigger ones get 413 before parsing."""
     dtype: str = "float32"
     """For plain models: float32, bfloat16 or float16."""
-    prefix_caching: bool = True
+    prefix_caching: bool = _CACHE.prefix_caching
     """Share cached prompt prefixes."""
     compile: bool = False
     """torch.compile the decode steps the fused native step doesn't cover (over 16 sequences, layers it can't run,
@@ -116,30 +126,30 @@ class ServeOptions:
     sums of int16-rounded activations), bfloat16 (faster where the CPU has AMX-BF16/AVX512-BF16, at a KL cost;
     emulated elsewhere) or int8 (activations rounded to int8 per token; int4 prompts run ~1.3x faster, at the
     KL cost the manifest's quality.prompt_int8 records)."""
-    speculative: str = "off"
+    speculative: str = _SPECULATION.mode
     """Speculative decoding at small batch: off, ngram (proposals looked up in the context), draft (proposed by
     `draft`, a cheaper copy of the model) or auto (per step, whichever is expected to yield more). Greedy output
     stays the same text; sampled output keeps the model's distribution."""
     draft: str | None = None
-    """The draft model: an artifact of the same model (its int4 build) or int4 / int4:G (built from the served
+    """The draft model: an artifact of the same model (its int4 variant) or int4 / int4:G (built from the served
     model at load time, LM head included, group size G, default 64)."""
-    speculative_k: int = 8
+    speculative_k: int = _SPECULATION.k
     """Most tokens proposed per step (fewer where the measured acceptance says so)."""
-    speculative_max_batch: int = 4
+    speculative_max_batch: int = _SPECULATION.max_batch
     """Decoding sequences above which a step doesn't speculate (verification is no longer nearly free)."""
-    draft_kv_memory: str = "128MB"
+    draft_kv_memory: str = str(_SPECULATION.draft_kv_memory)
     """The draft model's own KV pool."""
     kv_host_memory: str = "0"
-    """Host memory for KV blocks of returning conversations (T1), e.g. 2GB; 0: off."""
+    """Host memory for KV blocks of returning conversations (the host store), e.g. 2GB; 0: off."""
     kv_disk: str | None = None
-    """Directory for KV blocks on disk (T2); survives restarts."""
+    """Directory for KV blocks on disk (the disk store); survives restarts."""
     kv_disk_size: str = "10GB"
-    """Bytes the KV disk tier may hold (LRU beyond)."""
-    kv_codec: str = "zstd"
+    """Bytes the KV disk store may hold (LRU beyond)."""
+    kv_codec: str = _OFFLOAD.codec
     """Stored-block compression: zstd, zlib, lz4 or none."""
-    session_ttl: float | None = None
+    session_ttl: float | None = _OFFLOAD.session_ttl
     """Seconds an idle session's KV is kept."""
-    isolate_users: bool = False
+    isolate_users: bool = _CACHE.isolate_users
     """Salt prefix caching by each request's `user`: no sharing across users."""
     redis: str | None = None
     """Redis URL of the fleet's queue (redis://127.0.0.1:6379/0, or redis://:PASSWORD@host:6379/0: logged with
@@ -150,8 +160,8 @@ class ServeOptions:
     workers: int = 2
     """Workers the all role starts beside its gateway."""
     worker_variants: str = "one"
-    """With several TARGETS and the all role: one (the workers take the builds in turn) or all (each worker process
-    holds every build, their engines side by side on its cores; memory: every build and a KV pool each). Measured
+    """With several TARGETS and the all role: one (the workers take the variants in turn) or all (each worker process
+    holds every variant, their engines side by side on its cores; memory: every variant and a KV pool each). Measured
     on two cores under a surge: all lost the top tier's first tokens (84% in time against 99%)."""
     claim_idle: float = 10.0
     """Seconds before a dead worker's requests are taken over by another."""

@@ -1,7 +1,7 @@
 """The OpenAI server as it runs: the routes (`serve.openai.routes`) over one engine or several variants of one model,
 and what starts and stops around them. Each variant's engine steps on a thread of its own and the surge
 controller's loop on another, from start-up; at shutdown the server drains (health 503, new requests refused,
-running ones finish), then the threads stop and the engines write out their KV tiers. The launcher
+running ones finish), then the threads stop and the engines write out their KV offload. The launcher
 (`serve.launch`), the fleet and the tests build servers here; the routes only answer requests.
 """
 
@@ -16,9 +16,11 @@ from typing import Any
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from serve.control.controller import Controller, Decision, Load, Variant
+from serve.control.controller import Controller, Decision, Variant
 from serve.control.loop import ControlLoop, policies
-from serve.engine import Engine
+from serve.engine import loop
+from serve.engine.core import Engine
+from serve.engine.protocol import Load
 from serve.metrics import ControlMetrics, TenantMetrics
 from serve.openai.errors import internal_error
 from serve.openai.generation import Generation
@@ -53,7 +55,7 @@ def _lifespan(
     variants: Variants, control: ControlLoop, generation: Generation, state: dict[str, Any]
 ) -> Callable[[FastAPI], Any]:
     """Each variant's engine on a thread and the controller's loop on another, from start-up; at shutdown,
-    requests finish (the server drains), then the threads stop and the engines write out their tiers."""
+    requests finish (the server drains), then the threads stop and the engines write out their KV offload."""
     stop_event = threading.Event()
     engines = [served.engine for served in variants]
 
@@ -61,7 +63,7 @@ def _lifespan(
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         threads = [
             threading.Thread(
-                target=s.engine.run, args=(stop_event,), name=f"qpack-engine-{s.name}", daemon=True
+                target=loop.run, args=(s.engine, stop_event), name=f"qpack-engine-{s.name}", daemon=True
             )
             for s in variants
         ]
@@ -97,11 +99,13 @@ def control_loop(variants: Variants, info: ServerInfo, metrics: ControlMetrics) 
     if info.control is not None:
         controller = Controller(info.control, policies(tiers), [Variant(s.name, s.kl) for s in variants])
 
+    engines = variants.controlled()
+
     def loads() -> dict[str, Load]:
-        return {s.name: s.engine.load() for s in variants}
+        return {name: engine.load() for name, engine in engines.items()}
 
     def apply(decision: Decision) -> None:
-        for served in variants:
-            served.engine.configure(decision.knobs)
+        for engine in engines.values():
+            engine.configure(decision.knobs)
 
     return ControlLoop(tiers, variants.names, loads, apply, metrics, controller)

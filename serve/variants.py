@@ -12,7 +12,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from serve.engine import Engine
+from serve.engine.controls import EngineControls
+from serve.engine.core import Engine
+from serve.engine.protocol import ControlledEngine
 from serve.refusal import Refusal
 
 if TYPE_CHECKING:
@@ -29,7 +31,7 @@ class Served:
 
     @property
     def fingerprint(self) -> str:
-        """OpenAI's `system_fingerprint`: which build answered."""
+        """OpenAI's `system_fingerprint`: which variant answered."""
         return f"qpack-{self.name}-{self.version}-{self.content_hash[:12]}"
 
 
@@ -56,6 +58,10 @@ class Variants:
     @property
     def names(self) -> list[str]:
         return [s.name for s in self.served]
+
+    def controlled(self) -> dict[str, ControlledEngine]:
+        """Each variant's engine as a controller sees it (knobs in, load out), by name."""
+        return {s.name: EngineControls(s.engine) for s in self.served}
 
     def __getitem__(self, name: str) -> Served:
         return self._by_name[name]
@@ -95,13 +101,14 @@ def prioritize(variants: Variants, patience: float | Callable[[], float] = 0.0) 
     (measured on two cores: 95% of the top tier's requests met it with the int4 engine stepping freely beside
     the int8 one, 98.8% with one engine). Giving way as soon as any top-tier prompt waits cost a eighth of the
     goodput routing had gained; a patience of a quarter of its target gives way only to the late ones."""
-    primary = variants.primary.engine
+    engines = variants.controlled()
+    primary = engines[variants.primary.name]
 
     def waited() -> float:
         return patience() if callable(patience) else patience
 
     for served in variants.served[1:]:
-        served.engine.defer_to = lambda: primary.top_tier_pending(waited())
+        engines[served.name].defer_to = lambda: primary.top_tier_pending(waited())
 
 
 def top_tier_patience(tiers: Iterable[Tier]) -> float:

@@ -12,6 +12,7 @@ import is still a dependency). Run `pytest tests/test_layering.py -s` to print t
 from __future__ import annotations
 
 import ast
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -213,28 +214,120 @@ def test_only_the_launchers_of_serve_read_its_command_line_options() -> None:
     assert not bad, f"imports running up into the CLI options: {', '.join(bad)}"
 
 
-# HTTP is on top of serving: below the front ends (`serve.openai`, the fleet's gateway and workers) and the modules
-# that start them, nothing imports `serve.openai`; refusals go up as `serve.refusal.Refusal`, which the front ends
-# map onto their answers. The edges not yet moved down, each with why it is still there:
-SERVE_HTTP_USERS = ("serve.openai", "serve.fleet")
-SERVE_HTTP_STARTERS = {"serve", "serve.launch", "serve.http", "serve.server"}
-SERVE_HTTP_DEBT = {
-    ("serve.tenancy.admission", "serve.openai.protocol"): "limited_params reads the parsed request type",
-}
+# The rooms of `serve`, bottom to top: a module may import its own layer and those below, never one above. The
+# engine core's parts (scheduler, KV cache manager, block pool, runner, sampler) sit below the KV offload and
+# speculation, which the engine's builder composes; the engine sits below the controller, tenancy and the variants
+# that drive it (through `serve.engine.protocol`); HTTP and the fleet's front ends, the launchers and the command
+# line's options are on top. Refusals go up as `serve.refusal.Refusal`, which the front ends map onto their answers.
+SERVE_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("serve.core", "serve.kv_formats", "serve.refusal", "serve.metrics"),
+    ("serve.offload", "serve.speculative"),
+    ("serve.engine",),
+    ("serve.control", "serve.tenancy", "serve.variants"),
+    (
+        "serve",
+        "serve.openai",
+        "serve.fleet",
+        "serve.server",
+        "serve.launch",
+        "serve.loading",
+        "serve.http",
+        "serve.options",
+    ),
+)
 
 
-def test_nothing_below_the_front_ends_imports_http() -> None:
-    bad = sorted(
-        f"{module} -> {target}"
-        for module, edges in module_graph().items()
-        for target in edges
-        if module.startswith("serve")
-        and not module.startswith(SERVE_HTTP_USERS)
-        and module not in SERVE_HTTP_STARTERS
-        and target.startswith("serve.openai")
-        and (module, target) not in SERVE_HTTP_DEBT
+def _holds(room: str, module: str) -> bool:
+    """Whether `room` holds `module` (the package `serve` itself holds only its `__init__`)."""
+    return module == room or (room != "serve" and module.startswith(room + "."))
+
+
+def serve_layer(module: str) -> int | None:
+    """The layer of a module of `serve` (the longest room that holds it), None when no room does."""
+    rooms = [(room, level) for level, layer in enumerate(SERVE_LAYERS) for room in layer]
+    held = [(len(room), level) for room, level in rooms if _holds(room, module)]
+    return max(held)[1] if held else None
+
+
+def serve_room(module: str) -> str:
+    return max((room for layer in SERVE_LAYERS for room in layer if _holds(room, module)), key=len)
+
+
+def serve_graph() -> dict[str, Counter[str]]:
+    """{room of serve: Counter(room it imports: import edges between their modules)}."""
+    graph: dict[str, Counter[str]] = {}
+    for module, edges in module_graph().items():
+        if module.startswith("serve") and serve_layer(module) is not None:
+            room = serve_room(module)
+            found = graph.setdefault(room, Counter())
+            found.update(serve_room(t) for t in edges if t.startswith("serve") and serve_layer(t) is not None)
+            found.pop(room, None)
+    return graph
+
+
+def test_serve_imports_run_down_its_layers_only() -> None:
+    graph = module_graph()
+    unplaced = sorted(m for m in graph if m.startswith("serve") and serve_layer(m) is None)
+    assert not unplaced, (
+        f"modules of serve in no layer (add their room to SERVE_LAYERS): {', '.join(unplaced)}"
     )
-    assert not bad, f"imports running up into HTTP (raise serve.refusal.Refusal instead): {', '.join(bad)}"
+    print("serve, bottom to top (imports between rooms):")
+    rooms = serve_graph()
+    for level, layer in enumerate(SERVE_LAYERS):
+        for room in layer:
+            targets = ", ".join(f"{t} ({n})" for t, n in sorted(rooms.get(room, Counter()).items())) or "-"
+            print(f"  {level} {room:<18} -> {targets}")
+    up = sorted(
+        f"{module} (layer {serve_layer(module)}) -> {target} (layer {serve_layer(target)})"
+        for module, edges in graph.items()
+        if module.startswith("serve")
+        for target in edges
+        if target.startswith("serve") and (serve_layer(target) or 0) > (serve_layer(module) or 0)
+    )
+    assert not up, f"imports running up serve's layers: {'; '.join(up)}"
+
+
+def test_the_layer_rule_catches_an_upward_import() -> None:
+    assert serve_layer("serve.core.scheduler") == 0 and serve_layer("serve.engine.core") == 2
+    assert (
+        serve_layer("serve.openai.routes") == len(SERVE_LAYERS) - 1 and serve_layer("serve.nowhere") is None
+    )
+    assert (serve_layer("serve.openai.protocol") or 0) > (serve_layer("serve.tenancy.admission") or 0)
+
+
+def _layout_rows() -> list[tuple[list[str], str]]:
+    """The README's Layout table: (the rooms its first column names, the row)."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    return [
+        (re.findall(r"`([^`]+)`", line.split("|")[1]), line)
+        for line in section.splitlines()
+        if line.startswith("| `")
+    ]
+
+
+def test_the_readme_layout_table_matches_the_rooms_and_serve_layers() -> None:
+    rows = _layout_rows()
+    named = {room.rstrip("/") for rooms, _ in rows for room in rooms}
+    missing = sorted(room for room in named if not (REPO / room).exists())
+    assert not missing, f"the README's Layout table names rooms that do not exist: {', '.join(missing)}"
+    packages = {
+        room.replace(".", "/")
+        for layer in SERVE_LAYERS
+        for room in layer
+        if (REPO / room.replace(".", "/")).is_dir()
+    }
+    unnamed = sorted((packages | set(PACKAGES)) - named)
+    assert not unnamed, f"rooms the README's Layout table leaves out: {', '.join(unnamed)}"
+    wrong = []
+    for rooms, line in rows:
+        layers = {
+            serve_layer(room.rstrip("/").replace("/", ".")) for room in rooms if room.startswith("serve")
+        }
+        stated = re.search(r"\blayer (\d)", line)
+        if layers and (stated is None or {int(stated.group(1))} != layers):
+            wrong.append(f"{', '.join(rooms)}: layer {sorted(layers)} in tests/test_layering.py")
+    assert not wrong, f"the README's Layout table states other serve layers: {'; '.join(wrong)}"
 
 
 def test_configs_and_the_command_line_import_without_torch() -> None:
@@ -259,7 +352,7 @@ def test_configs_and_the_command_line_import_without_torch() -> None:
 def test_the_checker_sees_lazy_imports(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
     source.write_text(
-        "import os\n\ndef f():\n    from serve.engine import Engine\n    import quantize.common.errors\n"
+        "import os\n\ndef f():\n    from serve.engine.core import Engine\n    import quantize.common.errors\n"
     )
     assert _imported_packages(source) == Counter({"serve": 1, "quantize": 1})
 

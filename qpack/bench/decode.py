@@ -26,6 +26,9 @@ import torch
 from torch import nn
 
 from qpack.bench.config import DecodeConfig
+from serve.core.config import SchedulerConfig
+from serve.engine import loop
+from serve.engine.config import CacheConfig, SpeculationConfig
 
 
 class _PeakRss:
@@ -108,36 +111,36 @@ class _Artifact:
         speculative: str = "off",
         draft: str | None = None,
     ) -> None:
-        from serve.engine import EngineConfig
-        from serve.kv_cache import KVLayout
+        from serve.core.kv_cache import KVLayout
+        from serve.engine.core import EngineConfig
         from serve.loading import build_engine, load_draft, load_for_serving
 
         loaded = load_for_serving(path)  # as `qpack serve` loads it
         self.model = loaded.model
         self.name = f"{loaded.name} v{loaded.version}"
-        size = EngineConfig.block_size
+        size = CacheConfig().block_size
         max_len += _PROFILE_PROMPT  # room for the profile request too (one sequence, after the batches)
         blocks = max_batch * (max_len // size + 2) + 8
         config = EngineConfig(
-            kv_memory=KVLayout.of(self.model.config).memory_for(blocks, size),
-            max_num_seqs=max_batch,
-            max_num_batched_tokens=2048,
-            enable_prefix_caching=False,
+            cache=CacheConfig(
+                memory=KVLayout.of(self.model.config).memory_for(blocks, size), prefix_caching=False
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=2048),
+            speculation=SpeculationConfig(mode=speculative),
             compile=compile_decode,
             prefill_dtype=prefill_dtype,
-            speculative=speculative,
         )
         drafting = speculative in ("draft", "auto")
         self.speculative = speculative
         self.engine = build_engine(loaded, config, load_draft(draft or "int4", loaded) if drafting else None)
         self.numerics = self.engine.numerics()
         if compile_decode:
-            self.engine.warmup()
+            loop.warmup(self.engine)
         self.name += " (compiled)" if compile_decode else ""
 
     def run(self, prompts: list[list[int]], new_tokens: int, speculate: bool = True) -> dict[str, float]:
         """Prefill and decode seconds of one batch (with the engine's speculation, or `speculate` False without)."""
-        from serve.request import SamplingParams
+        from serve.core.request import SamplingParams
 
         speculator = self.engine.speculator
         speculator.enabled = speculate and self.speculative != "off"
@@ -171,7 +174,7 @@ class _Artifact:
         """Where one batch-1 decode step's time goes."""
         from torch.profiler import ProfilerActivity, profile
 
-        from serve.request import SamplingParams
+        from serve.core.request import SamplingParams
 
         prompt = _random_prompts(1, _PROFILE_PROMPT, vocab, 123)[0]
         self.engine.add(

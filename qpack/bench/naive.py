@@ -21,7 +21,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from serve.request import GREEDY_TEMPERATURE
+from serve.core.request import GREEDY_TEMPERATURE
 
 
 class NaiveGenerator:

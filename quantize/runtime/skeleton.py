@@ -1,6 +1,6 @@
 """A Llama-family causal LM as weights only: the module tree the serving runner reads, no transformers modeling.
 
-The serving runner (`serve/runner.py`) has its own forward over a paged KV cache: of the model it needs only the
+The serving runner (`serve/core/runner.py`) has its own forward over a paged KV cache: of the model it needs only the
 modules and their weights (embeddings, norms, the q/k/v/o and MLP projections, the rotary embedding, the LM head)
 under the Hugging Face names, and the config. Building the Hugging Face model for that costs more than the model:
 in transformers 5, importing `modeling_llama`, or even instantiating `LlamaConfig`, pulls in torch._dynamo,

@@ -1,7 +1,7 @@
 """The surge controller: every tick, from what arrived and what is queued, the engine's knobs, how much of each tier
 runs on which variant, and which tiers are refused for now.
 
-Pure and tensor-free like `serve/scheduler.py`, with the time inside each `Observation`, so that a simulated
+Pure and tensor-free like `serve/core/scheduler.py`, with the time inside each `Observation`, so that a simulated
 trace drives it deterministically (`tests/serve/test_control.py`); `serve.control.loop` feeds it from a server,
 and the fleet gateway from Redis and its workers' heartbeats.
 
@@ -48,25 +48,10 @@ from dataclasses import dataclass, field
 
 from serve.control.forecast import Holt
 from serve.control.slo import Slo
+from serve.engine.protocol import Knobs, Load
 
 LATENCY, THROUGHPUT = "latency", "throughput"
 POOL = "pool"  # the capacity group of variants that share one machine
-
-
-@dataclass(frozen=True)
-class Knobs:
-    """What the controller sets on an engine's scheduler."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int  # tokens per step (decodes and prefill chunks)
-    prefill_chunk: int  # prompt tokens one request may prefill in one step
-    admission_wait: float = (
-        0.0  # seconds a request may be held to batch it with later ones (static rules only)
-    )
-    top_tier_tokens: int = 0  # how many tokens a step with a top-tier prompt may reach (0: the budget)
-    # speculative decoding where the server offers it (serve/speculative): off in throughput mode, where the batch
-    # is large enough that verification rows are no longer nearly free
-    speculate: bool = True
 
 
 @dataclass(frozen=True)
@@ -83,21 +68,6 @@ class Variant:
 
     name: str
     kl: float
-
-
-@dataclass(frozen=True)
-class Load:
-    """One variant's engine (or fleet workers) at a tick."""
-
-    waiting: dict[str, int] = field(default_factory=dict)  # per tier: without their first token yet
-    running: int = 0
-    finished: int = 0  # requests finished since the last tick
-    oldest: dict[str, float] = field(default_factory=dict)  # per tier: how long its oldest one has waited
-    tokens: int = 0  # tokens computed since the last tick
-    served: int = 0  # requests that ran and finished since the last tick
-    served_tokens: int = 0  # their prompt and output tokens
-    engines: int = 1  # the engines whose counts these are (a fleet's workers of one build, summed)
-    queued: int = 0  # of those waiting, the ones not yet seated (every tier): the engine is saturated
 
 
 @dataclass(frozen=True)
@@ -146,12 +116,15 @@ class Backlog:
     oldest: float  # seconds its oldest request there has waited
 
 
+_LATENCY_KNOBS, _THROUGHPUT_KNOBS = Knobs(8, 256, 128), Knobs(32, 1024, 512)
+
+
 @dataclass(frozen=True)
 class ControlConfig:
     tick: float = 0.5
     horizon: float = 5.0
-    latency: Knobs = Knobs(8, 256, 128)
-    throughput: Knobs = Knobs(32, 1024, 512)
+    latency: Knobs = _LATENCY_KNOBS
+    throughput: Knobs = _THROUGHPUT_KNOBS
     rise: float = 0.8
     fall: float = 0.5
     dwell: float = 5.0
@@ -589,7 +562,7 @@ class Controller:
         knobs = Knobs(
             scaled(latency.max_num_seqs, preset.max_num_seqs),
             scaled(latency.max_num_batched_tokens, preset.max_num_batched_tokens),
-            scaled(latency.prefill_chunk, preset.prefill_chunk),
+            scaled(latency.chunk, preset.chunk),
             preset.admission_wait,
             speculate=False,
         )
@@ -632,7 +605,7 @@ class Controller:
         return dataclasses.replace(
             knobs,
             max_num_batched_tokens=budget,
-            prefill_chunk=min(budget, knobs.prefill_chunk),
+            prefill_chunk=min(budget, knobs.chunk),
             top_tier_tokens=max(top_tier_tokens, budget) if top_tier_tokens else 0,
         )
 

@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from serve.control.controller import LATENCY, THROUGHPUT, Controller, Decision, Load, Observation, TierPolicy
+from serve.control.controller import LATENCY, THROUGHPUT, Controller, Decision, Observation, TierPolicy
 from serve.control.slo import Ledger, Slo
+from serve.engine.protocol import Load
 from serve.metrics import ControlMetrics
 from serve.refusal import Refusal
 from serve.tenancy.tenants import Caller, Tier

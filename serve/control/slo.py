@@ -47,7 +47,7 @@ class Outcome:
 
 
 @dataclass(frozen=True)
-class TierStats:
+class OffloadStats:
     served: int
     met: int
     shed: int
@@ -78,13 +78,13 @@ class Ledger:
     def shed(self, tier: str, now: float) -> None:
         self._outcomes.setdefault(tier, deque()).append(Outcome(now, False))
 
-    def stats(self, tier: str, now: float) -> TierStats:
+    def stats(self, tier: str, now: float) -> OffloadStats:
         found = self._outcomes.get(tier, deque())
         while found and found[0].at < now - self.window:
             found.popleft()
         served = [o for o in found if o.served]
         met = sum(o.met for o in served)
-        return TierStats(
+        return OffloadStats(
             served=len(served),
             met=met,
             shed=len(found) - len(served),

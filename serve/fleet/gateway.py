@@ -130,7 +130,7 @@ class Gateway:
         return workers
 
     def fingerprint(self, worker_id: str) -> str | None:
-        """The build a worker serves, as OpenAI's `system_fingerprint` (None for a worker not seen live)."""
+        """The variant a worker serves, as OpenAI's `system_fingerprint` (None for a worker not seen live)."""
         return next((w.fingerprint for w in self._workers[1] if w.worker_id == worker_id), None)
 
     async def run_control(self) -> None:
@@ -159,11 +159,11 @@ class Gateway:
         self._depth[model] = (measured_at, depth, added + 1)
 
     async def measure_depth(self, model: str) -> int:
-        """Length less pending entries over the model's streams, its builds' shared ones and its workers' own
+        """Length less pending entries over the model's streams, its variants' shared ones and its workers' own
         (workers delete what they answered, so a stream holds only queued and in-flight requests)."""
         workers = [w for w in await self.live_workers() if w.model == model]
-        builds = sorted({w.build for w in workers} | {model})
-        streams = [*(P.model_stream(b) for b in builds), *(P.worker_stream(w.worker_id) for w in workers)]
+        variants = sorted({w.variant_name for w in workers} | {model})
+        streams = [*(P.model_stream(b) for b in variants), *(P.worker_stream(w.worker_id) for w in workers)]
         pipe = self.redis.pipeline(transaction=False)
         for stream in streams:
             pipe.xlen(stream)
@@ -201,8 +201,8 @@ class Gateway:
             refusal = control.refusal(caller)
             if refusal is not None:
                 raise refusal
-            build = control.variant_for(caller, pinned).variant
-            serving = _serving(workers, model, build)
+            variant = control.variant_for(caller, pinned).variant
+            serving = _serving(workers, model, variant)
             if await self.queue_depth(model) >= self.config.max_queue:
                 raise ApiError(
                     429,
@@ -220,7 +220,7 @@ class Gateway:
                 priority=parsed.priority,
                 session=_session(caller.tenant, parsed),
                 caller=caller.to_json(),
-                variant=serving[0].build,
+                variant=serving[0].variant_name,
             )
             await self.redis.xadd(self.route(request, serving), request.encode())
         except BaseException:
@@ -363,16 +363,16 @@ def _point(text: str) -> int:
 
 
 def _model_of(named: object, workers: list[P.WorkerInfo]) -> tuple[str, str | None]:
-    """The model a request's `model` asks for, and the build it pins when it names one (503 when no live
+    """The model a request's `model` asks for, and the variant it pins when it names one (503 when no live
     worker serves it)."""
     models = sorted({w.model for w in workers})
     if named is None and len(models) == 1:
         return models[0], None
     if named in models:
         return str(named), None
-    pinned = next((w for w in workers if w.build == named), None)
+    pinned = next((w for w in workers if w.variant_name == named), None)
     if pinned is not None:
-        return pinned.model, pinned.build
+        return pinned.model, pinned.variant_name
     name = named or "any model"
     raise ApiError(
         503,
@@ -382,10 +382,12 @@ def _model_of(named: object, workers: list[P.WorkerInfo]) -> tuple[str, str | No
     )
 
 
-def _serving(workers: list[P.WorkerInfo], model: str, build: str) -> list[P.WorkerInfo]:
-    """The live workers of `build`; when none is left, those of the model's most accurate build."""
+def _serving(workers: list[P.WorkerInfo], model: str, variant: str) -> list[P.WorkerInfo]:
+    """The live workers of `variant`; when none is left, those of the model's most accurate variant."""
     mine = sorted((w for w in workers if w.model == model), key=lambda w: w.kl)
-    return [w for w in mine if w.build == build] or [w for w in mine if w.build == mine[0].build]
+    return [w for w in mine if w.variant_name == variant] or [
+        w for w in mine if w.variant_name == mine[0].variant_name
+    ]
 
 
 def _session(tenant: str, parsed: GenerationRequest) -> str | None:
@@ -604,18 +606,18 @@ def _count_usage(gateway: Gateway, caller: Caller, usage: dict[str, Any] | None)
 
 def _models(workers: list[P.WorkerInfo]) -> dict[str, Any]:
     """`/v1/models`: each model live workers announce, with its version, content hash, worker count, the prefill
-    precisions its workers run, and its builds (variants) with their measured KL, most accurate first."""
+    precisions its workers run, and its variants (variants) with their measured KL, most accurate first."""
     by_model: dict[str, list[P.WorkerInfo]] = {}
     for worker in workers:
         by_model.setdefault(worker.model, []).append(worker)
     data = []
     for model, mine in sorted(by_model.items()):
-        builds: dict[str, list[P.WorkerInfo]] = {}
+        by_variant: dict[str, list[P.WorkerInfo]] = {}
         for worker in sorted(mine, key=lambda w: w.kl):
-            builds.setdefault(worker.build, []).append(worker)
+            by_variant.setdefault(worker.variant_name, []).append(worker)
         variants = [
-            {"id": b, "kl": ws[0].kl, "workers": len(ws), "system_fingerprint": ws[0].fingerprint}
-            for b, ws in builds.items()
+            {"id": name, "kl": ws[0].kl, "workers": len(ws), "system_fingerprint": ws[0].fingerprint}
+            for name, ws in by_variant.items()
         ]
         data.append(
             {

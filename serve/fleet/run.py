@@ -62,7 +62,7 @@ def run_gateway(options: ServeOptions, info: ServerInfo, log: Callable[[str], No
 
 def run_worker(options: ServeOptions, log: Callable[[str], None]) -> None:
     """The engine behind Redis until SIGTERM/SIGINT; `/health` and `/metrics` on --port. With `variants`, one
-    engine per build in this process, each a worker of its build (`host_workers`)."""
+    engine per variant in this process, each a worker of its variant (`host_workers`)."""
     url = _redis_url(options)
     check_redis(url)
     workers = host_workers(options, url, log)
@@ -91,10 +91,10 @@ def run_worker(options: ServeOptions, log: Callable[[str], None]) -> None:
 
 
 def host_workers(options: ServeOptions, url: str, log: Callable[[str], None]) -> list[FleetWorker]:
-    """This process's workers: one for `target`, or with `variants` one per build, most accurate first, sharing
-    this process's cores (one `host`, so the gateway pools their capacity): routing a tier to the cheaper build
-    then adds to the accurate build's capacity instead of taking a worker from it, but their steps slow each
-    other. The cheaper builds give way to a late top-tier prompt of the accurate one (`prioritize`, with the
+    """This process's workers: one for `target`, or with `variants` one per variant, most accurate first, sharing
+    this process's cores (one `host`, so the gateway pools their capacity): routing a tier to the cheaper variant
+    then adds to the accurate variant's capacity instead of taking a worker from it, but their steps slow each
+    other. The cheaper variants give way to a late top-tier prompt of the accurate one (`prioritize`, with the
     patience the gateway publishes)."""
 
     def config(name: str, variant: str, version: str, content_hash: str, kl: float) -> WorkerConfig:
@@ -137,13 +137,13 @@ def worker_server(app: FastAPI, host: str, port: int, log: Callable[[str], None]
 
 def worker_app(workers: list[FleetWorker], metrics_key: str | None = None) -> FastAPI:
     """A fleet worker process's own HTTP face: `/health` and `/metrics` (its engines', plus claims; several
-    builds' engines labelled by `variant`; only for the bearer of `metrics_key` when there is one)."""
+    variants' engines labelled by `variant`; only for the bearer of `metrics_key` when there is one)."""
     app = FastAPI(title="qpack fleet worker", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.start_draining = lambda: None
 
     @app.get("/health")
     async def health() -> Response:
-        builds = [
+        variants = [
             {
                 "worker": w.config.worker_id,
                 "variant": w.variant,
@@ -152,9 +152,9 @@ def worker_app(workers: list[FleetWorker], metrics_key: str | None = None) -> Fa
             }
             for w in workers
         ]
-        if len(builds) == 1:
-            return JSONResponse({"status": "ok", **builds[0]})
-        return JSONResponse({"status": "ok", "workers": builds})
+        if len(variants) == 1:
+            return JSONResponse({"status": "ok", **variants[0]})
+        return JSONResponse({"status": "ok", "workers": variants})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -216,7 +216,7 @@ def worker_environment(options: ServeOptions) -> dict[str, str]:
 
 def run_all(options: ServeOptions, info: ServerInfo, log: Callable[[str], None]) -> None:
     """A gateway here and `--workers` worker processes, each on its own port after the gateway's; with
-    `variants`, the workers take the builds in turn (or each holds every build: `worker_variants` all), answering
+    `variants`, the workers take the variants in turn (or each holds every variant: `worker_variants` all), answering
     to the name of the model they were built from."""
     check_redis(_redis_url(options))
     targets = (options.target or "", *options.variants)

@@ -5,9 +5,9 @@ Layout (all keys under `qpack:`):
   KL, version, content hash, capacity, load, and its engine's queue per tier, running and finished requests for
   the gateway's controller, last seen) with a short TTL; `workers` maps every worker id seen to its variant
   (kept after a worker dies, so its leftover entries go to a worker of the same variant: an answer is never
-  continued on another build; stale ones are skipped, empty ones removed).
+  continued on another variant; stale ones are skipped, empty ones removed).
 - `w:{id}`: a worker's own request stream (sessions routed to it); `m:{variant}`: the variant's shared stream
-  (requests without a session, or whose worker is full or gone). A model with one build has one variant named
+  (requests without a session, or whose worker is full or gone). A model with one variant has one variant named
   as the model. Both have the consumer group `workers`:
   a worker reads its own stream and its model's shared stream with XREADGROUP, only as many entries as its
   scheduler has room for, and XACKs an entry when the request is answered. Entries a dead worker left pending
@@ -39,12 +39,17 @@ Layout (all keys under `qpack:`):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import time
+import types
+import typing
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from serve.engine.protocol import Knobs
 
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
@@ -119,7 +124,7 @@ class FleetRequest:
     caller: dict[str, Any] | None = (
         None  # the gateway's stamp (`Caller.to_json`): who is asking, at what tier
     )
-    variant: str = ""  # the build that must answer (routed or pinned); empty: the model's only one
+    variant: str = ""  # the variant that must answer (routed or pinned); empty: the model's only one
 
     def encode(self) -> dict[FieldT, EncodableT]:
         return {"request": json.dumps(asdict(self))}
@@ -130,6 +135,36 @@ class FleetRequest:
         if isinstance(raw, bytes):
             raw = raw.decode()
         return cls(**json.loads(str(raw)))
+
+
+def knobs_fields(knobs: Knobs) -> dict[str, str]:
+    """A controller's knobs as the fields of `control:{model}`, one per `Knobs` field (None as "")."""
+    return {f.name: _field_text(getattr(knobs, f.name)) for f in dataclasses.fields(Knobs)}
+
+
+def knobs_from(data: dict[str, str]) -> Knobs:
+    """The knobs `knobs_fields` wrote (a field missing: its default); ValueError on a malformed value."""
+    hints = typing.get_type_hints(Knobs)
+    values: dict[str, Any] = {
+        f.name: _field_value(data[f.name], hints[f.name]) for f in dataclasses.fields(Knobs) if f.name in data
+    }
+    return Knobs(**values)
+
+
+def _field_text(value: object) -> str:
+    if value is None:
+        return ""
+    return str(int(value)) if isinstance(value, bool) else str(value)
+
+
+def _field_value(text: str, hint: Any) -> object:
+    kinds = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if text == "" and type(None) in kinds:
+        return None
+    kind = next(k for k in kinds if k is not type(None))
+    if kind is bool:
+        return bool(int(text))
+    return kind(text)
 
 
 def forget_entry(
@@ -232,8 +267,8 @@ class WorkerInfo:
     load: int
     last_seen: float
     prefill_dtype: str = "float32"  # how its engine prefills (workers of one model may differ)
-    variant: str = ""  # the build it serves (empty: the model's only one, named as the model)
-    kl: float = 0.0  # that build's measured next-token KL against the reference model
+    variant: str = ""  # the variant it serves (empty: the model's only one, named as the model)
+    kl: float = 0.0  # that variant's measured next-token KL against the reference model
     waiting: dict[str, int] = field(default_factory=dict)  # its engine's queue per tier
     running: int = 0
     finished: int = 0  # requests its engine finished since it started
@@ -251,12 +286,12 @@ class WorkerInfo:
         return max(0, self.capacity - self.load)
 
     @property
-    def build(self) -> str:
+    def variant_name(self) -> str:
         return self.variant or self.model
 
     @property
     def fingerprint(self) -> str:
-        return f"qpack-{self.build}-{self.version}-{self.content_hash[:12]}"
+        return f"qpack-{self.variant_name}-{self.version}-{self.content_hash[:12]}"
 
     def fields(self) -> dict[FieldT, EncodableT]:
         return {k: json.dumps(v) if isinstance(v, dict) else str(v) for k, v in asdict(self).items()}

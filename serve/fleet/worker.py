@@ -34,16 +34,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from serve.control.controller import Knobs
-from serve.engine import Engine, RequestOutput
+from serve.core.request import SamplingParams
+from serve.engine import loop
+from serve.engine.controls import EngineControls
+from serve.engine.core import Engine, RequestOutput
 from serve.fleet import wire as P
 from serve.openai.answers import engine_refusals
 from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids, shared_tokens
-from serve.openai.protocol import ApiError, GenerationRequest, http_error, parse_request
+from serve.openai.protocol import (
+    ApiError,
+    GenerationRequest,
+    http_error,
+    limited_params,
+    owner_of,
+    parse_request,
+)
 from serve.openai.render import usage as _usage
 from serve.refusal import Refusal
-from serve.request import SamplingParams
-from serve.tenancy.admission import limited_params, owner_of, refusal
+from serve.tenancy.admission import refusal
 from serve.tenancy.redis_limits import LimiterUnavailable, RedisTokens
 from serve.tenancy.tenants import Caller
 
@@ -59,9 +67,9 @@ class WorkerConfig:
     name: str  # the model it answers to
     version: str
     content_hash: str
-    variant: str = ""  # its build, when the model has several (default: the model's name)
-    kl: float = 0.0  # that build's measured next-token KL against the reference
-    host: str = ""  # the process it computes in, shared with the workers of its other builds there
+    variant: str = ""  # its variant, when the model has several (default: the model's name)
+    kl: float = 0.0  # that variant's measured next-token KL against the reference
+    host: str = ""  # the process it computes in, shared with the workers of its other variants there
     worker_id: str = field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
@@ -92,14 +100,17 @@ class FleetWorker:
         import redis
 
         self.engine, self.config = engine, config
+        self.controls = EngineControls(engine)
         self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=10, socket_connect_timeout=5)
         self.tokens = RedisTokens(self.redis)
         self.own = P.worker_stream(config.worker_id)
         self.variant = config.variant or config.name
         self.shared = P.model_stream(self.variant)
         self.knobs_version = ""
-        self.patience = 0.0  # seconds a top-tier prompt waits here before a co-hosted cheaper build gives way
-        self.capacity = engine.config.max_num_seqs + engine.config.max_queue // 4
+        self.patience = (
+            0.0  # seconds a top-tier prompt waits here before a co-hosted cheaper variant gives way
+        )
+        self.capacity = engine.config.scheduler.max_num_seqs + engine.config.scheduler.max_queue // 4
         self.inflight: dict[str, _InFlight] = {}
         self.claimed = 0
         self.resumed_tokens = 0  # tokens of answers continued from a dead worker's attempt
@@ -116,7 +127,9 @@ class FleetWorker:
         """Serve until `stop` is set; Redis outages are waited out with backoff, never fatal."""
         engine_stop = threading.Event()
         threads = [
-            threading.Thread(target=self.engine.run, args=(engine_stop,), name="qpack-engine", daemon=True),
+            threading.Thread(
+                target=loop.run, args=(self.engine, engine_stop), name="qpack-engine", daemon=True
+            ),
             threading.Thread(target=self._send_loop, name="qpack-fleet-sender", daemon=True),
         ]
         for thread in threads:
@@ -166,7 +179,7 @@ class FleetWorker:
     def _heartbeat(self) -> None:
         """Announce this worker (and its engine's load, for the gateway's controller), and take up the knobs the
         controller last set for this model."""
-        load = self.engine.load()
+        load = self.controls.load()
         info = P.WorkerInfo(
             self.config.worker_id,
             self.config.name,
@@ -201,19 +214,12 @@ class FleetWorker:
         if not data or data.get("version") == self.knobs_version:
             return
         try:
-            knobs = Knobs(
-                int(data["max_num_seqs"]),
-                int(data["max_num_batched_tokens"]),
-                int(data["prefill_chunk"]),
-                float(data.get("admission_wait", 0.0)),
-                int(data.get("top_tier_tokens", 0)),
-                bool(int(data.get("speculate", 1))),
-            )
+            knobs = P.knobs_from(data)
             patience = max(0.0, float(data.get("patience", 0.0)))
         except (KeyError, ValueError) as exc:
             _log.warning("fleet worker: ignoring malformed knobs %s (%s)", data, exc)
             return
-        self.engine.configure(knobs)
+        self.controls.configure(knobs)
         self.patience = patience
         self.knobs_version = data.get("version", "")
 
@@ -286,7 +292,7 @@ class FleetWorker:
             self.redis.hdel(P.WORKERS, stream.removeprefix(P.worker_stream("")))
 
     def _start(self, stream: str, entry_id: str, fields: P.Fields, attempt: int) -> None:
-        """Take one entry off a stream (the intake loop): a deletion is applied here, a request of another build
+        """Take one entry off a stream (the intake loop): a deletion is applied here, a request of another variant
         handed back, and a request of ours counted in flight at once and prepared on the intake pool, so that
         parsing and tokenizing a hostile prompt never holds up heartbeats, claims or reading."""
         if b"forget" in fields or "forget" in fields:
@@ -299,7 +305,7 @@ class FleetWorker:
             self.redis.xack(stream, P.GROUP, entry_id)
             return
         wanted = request.variant or request.model
-        if wanted != self.variant:  # adopted from a worker of another build: hand it back
+        if wanted != self.variant:  # adopted from a worker of another variant: hand it back
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(P.model_stream(wanted), request.encode())
             pipe.xack(stream, P.GROUP, entry_id)

@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import Request
 
-from serve.engine import QueueFull
+from serve.engine.core import QueueFull
 from serve.openai import render
 from serve.openai.protocol import ApiError
 

@@ -22,16 +22,24 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve.control.loop import ControlLoop
-from serve.engine import RequestOutput
+from serve.core.request import SamplingParams
+from serve.engine.core import RequestOutput
 from serve.metrics import TenantMetrics
 from serve.openai import render
 from serve.openai.answers import Piece, disconnected, engine_refusals, sse_events
 from serve.openai.errors import error_response
 from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids, shared_tokens
-from serve.openai.protocol import ApiError, GenerationRequest, http_error, parse_json, parse_request
+from serve.openai.protocol import (
+    ApiError,
+    GenerationRequest,
+    http_error,
+    limited_params,
+    owner_of,
+    parse_json,
+    parse_request,
+)
 from serve.refusal import Refusal
-from serve.request import SamplingParams
-from serve.tenancy.admission import Door, Ticket, limited_params, owner_of
+from serve.tenancy.admission import Door, Ticket
 from serve.tenancy.limits import LocalLimiter
 from serve.tenancy.tenants import Caller, Tenant, TenantsSource
 from serve.variants import Served, Variants

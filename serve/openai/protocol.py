@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from serve.core.request import Owner, SamplingParams
 from serve.openai.jsonbody import MAX_INT_DIGITS, BodyRejected, load
 from serve.refusal import Refusal
-from serve.request import SamplingParams
-from serve.tenancy.tenants import REQUESTED_SERVICE_TIERS
+from serve.tenancy.tenants import REQUESTED_SERVICE_TIERS, Caller
 
 _T = TypeVar("_T")
 _NO_STOPS: tuple[str, ...] = ()
@@ -531,3 +531,30 @@ def _shown(value: Any) -> str:
         return _json_type(value)
     text = repr(value)
     return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def limited_params(
+    request: GenerationRequest, prompt_tokens: int, max_model_len: int, caller: Caller
+) -> SamplingParams:
+    """Sampling parameters within the caller's limits: `max_tokens` at most its tenant's `max_tokens` (400
+    above it), and a request that names none gets no more than fits its `tokens_per_minute` with its prompt."""
+    params = sampling_params(request, prompt_tokens, max_model_len, caller.max_tokens)
+    if request.max_tokens is None and caller.tokens_per_minute is not None:
+        fits = int(caller.tokens_per_minute) - prompt_tokens
+        if 1 <= fits < params.max_tokens:
+            params = params.replace(max_tokens=fits)
+    return params
+
+
+def owner_of(caller: Caller, request: GenerationRequest) -> Owner:
+    """The engine's owner of a request: the caller's tenant and tier, and the names the body gave inside it."""
+    return Owner(
+        caller.tenant,
+        caller.tier,
+        caller.tier_rank,
+        request.user,
+        request.session_id,
+        caller.session_ttl,
+        caller.weight,
+        caller.max_sessions,
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serve.engine import RequestOutput
+from serve.engine.core import RequestOutput
 
 DONE = "data: [DONE]\n\n"
 
@@ -30,7 +30,7 @@ def response(
     fingerprint: str | None = None,
 ) -> dict[str, Any]:
     """The whole answer of a non-streaming request (`service_tier`: the tier it ran at, as OpenAI names it;
-    `fingerprint`: the build, the variant, that computed it)."""
+    `fingerprint`: the variant that computed it)."""
     choice: dict[str, Any]
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}}

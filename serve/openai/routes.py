@@ -48,7 +48,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
 from serve.control.controller import ControlConfig
-from serve.engine import Engine
+from serve.engine.core import Engine
 from serve.metrics import Labelled
 from serve.metrics import render as render_metrics
 from serve.openai import schema

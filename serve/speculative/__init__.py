@@ -12,6 +12,6 @@ tokens. The output must not change:
 Modules: `ngram` (prompt lookup: proposals copied from the context itself), `draft` (a cheaper copy of the same
 model, with its own KV pool), `verify` (acceptance: greedy and rejection sampling), `policy` (how many tokens to
 propose, from which source, and when speculation is worth it at all; pure, tested without a model). The engine
-(`serve/engine.py`) asks for proposals, the runner verifies them as extra rows of its step, and the scheduler
+(`serve/engine/core.py`) asks for proposals, the runner verifies them as extra rows of its step, and the scheduler
 rolls the rejected tokens' blocks back.
 """

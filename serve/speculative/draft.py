@@ -27,11 +27,11 @@ from torch import nn
 from quantize.formats.schemes import Int4
 from quantize.runtime.handlers import handler_for
 from quantize.runtime.modules import QuantLinear
-from serve.block_pool import BlockPool
-from serve.kv_cache import KVLayout
-from serve.request import Request, SamplingParams
-from serve.runner import ModelRunner
-from serve.scheduler import Scheduled
+from serve.core.block_pool import BlockPool
+from serve.core.kv_cache import KVLayout
+from serve.core.request import Request, SamplingParams
+from serve.core.runner import ModelRunner
+from serve.core.scheduler import Scheduled
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 

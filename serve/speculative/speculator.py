@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from serve.core.request import Request
+from serve.core.sampler import distribution, seeded
+from serve.core.scheduler import Scheduled, Scheduler, SchedulerOutput
 from serve.metrics import Metrics
-from serve.request import Request
-from serve.sampler import distribution, seeded
-from serve.scheduler import Scheduled, Scheduler, SchedulerOutput
 from serve.speculative import verify as rules
 from serve.speculative.draft import DraftModel
 from serve.speculative.ngram import prompt_lookup
@@ -185,7 +185,7 @@ class Speculator:
             if choice.source is None:
                 continue
             proposal = wanted.proposals[choice.source]
-            if not scheduler.reserve(request, item.start + 1 + len(proposal)):
+            if not scheduler.kv.reserve(request, item.start + 1 + len(proposal)):
                 continue
             item.proposal = proposal
             self._source[id(item)] = choice.source

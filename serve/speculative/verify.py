@@ -7,7 +7,7 @@ draw from norm(max(0, p - q)), which is p with x removed. Either way the emitted
 as the target's; and when all proposals pass, one more token comes from the last row for free.
 
 Randomness: the draws for the request's i-th output token come from its generator seeded from (seed, i)
-(`serve.sampler.token_seed`), as without speculation, so a given seed and the same proposals give the same
+(`serve.core.sampler.token_seed`), as without speculation, so a given seed and the same proposals give the same
 tokens on any engine, and a request that proposes nothing draws exactly what the plain sampler draws.
 """
 

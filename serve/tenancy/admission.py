@@ -15,9 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from serve.openai.protocol import GenerationRequest, sampling_params
 from serve.refusal import Refusal
-from serve.request import Owner, SamplingParams
 from serve.tenancy.limits import LocalLimiter, Verdict
 from serve.tenancy.tenants import Caller, Tenant
 
@@ -46,33 +44,6 @@ def refusal(verdict: Verdict, tenant: str, requested: int = 0) -> Refusal:
         kind=limit,
         retry_after=verdict.retry_after,
         limits=verdict.headers,
-    )
-
-
-def limited_params(
-    request: GenerationRequest, prompt_tokens: int, max_model_len: int, caller: Caller
-) -> SamplingParams:
-    """Sampling parameters within the caller's limits: `max_tokens` at most its tenant's `max_tokens` (400
-    above it), and a request that names none gets no more than fits its `tokens_per_minute` with its prompt."""
-    params = sampling_params(request, prompt_tokens, max_model_len, caller.max_tokens)
-    if request.max_tokens is None and caller.tokens_per_minute is not None:
-        fits = int(caller.tokens_per_minute) - prompt_tokens
-        if 1 <= fits < params.max_tokens:
-            params = params.replace(max_tokens=fits)
-    return params
-
-
-def owner_of(caller: Caller, request: GenerationRequest) -> Owner:
-    """The engine's owner of a request: the caller's tenant and tier, and the names the body gave inside it."""
-    return Owner(
-        caller.tenant,
-        caller.tier,
-        caller.tier_rank,
-        request.user,
-        request.session_id,
-        caller.session_ttl,
-        caller.weight,
-        caller.max_sessions,
     )
 
 

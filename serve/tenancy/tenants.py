@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from quantize.common.errors import QpackError
-from serve.tiers.sessions import DEFAULT_MAX_SESSIONS
+from serve.offload.sessions import DEFAULT_MAX_SESSIONS
 
 try:
     import tomllib

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from qpack.cli import app
 from quantize.io.calibration import CalibrationData
 from quantize.model.sources import resolve_model
+from serve.engine.config import CacheConfig, SpeculationConfig
 
 pytestmark = pytest.mark.slow
 
@@ -116,9 +117,9 @@ def test_speculative_greedy_text_on_smollm2_is_the_plain_text(smollm2_int8: Path
     """The int8 artifact with prompt lookup and with an int4 draft built from it: the same greedy text as plain
     decoding, a chat question and a grounded prompt (repeat a passage), while proposals are both kept and
     rejected."""
-    from serve.engine import Engine, EngineConfig, RequestOutput
+    from serve.core.request import SamplingParams
+    from serve.engine.core import Engine, EngineConfig, RequestOutput
     from serve.loading import build_engine, load_draft, load_for_serving
-    from serve.request import SamplingParams
 
     passage = "The quick brown fox jumps over the lazy dog. Then the dog wakes up and chases the fox home."
     texts = ["What is the capital of France?", f"Repeat this text exactly:\n\n{passage}"]
@@ -136,7 +137,11 @@ def test_speculative_greedy_text_on_smollm2_is_the_plain_text(smollm2_int8: Path
             for text in texts
         ]
         draft = load_draft("int4", loaded) if mode in ("draft", "auto") else None
-        engine = build_engine(loaded, EngineConfig(kv_memory="64MB", speculative=mode), draft)
+        engine = build_engine(
+            loaded,
+            EngineConfig(cache=CacheConfig(memory="64MB"), speculation=SpeculationConfig(mode=mode)),
+            draft,
+        )
         engine.speculator.policy.costs.prefill["draft"] = 0.0
         out: dict[str, str] = {}
 

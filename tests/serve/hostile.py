@@ -6,7 +6,7 @@ over, so that a test, or the long run in `benchmarks/fuzz.py`, can check what no
 going down, or A's text changing.
 
 A's requests and B's run on the same server at once, so A's greedy text must equal its text alone: the server
-runs batch-invariant, where a row's numbers do not depend on the batch beside it (`serve.runner`).
+runs batch-invariant, where a row's numbers do not depend on the batch beside it (`serve.core.runner`).
 """
 
 from __future__ import annotations

@@ -11,15 +11,17 @@ import httpx
 import pytest
 
 from quantize.model.sources import load_model, load_tokenizer, resolve_model
-from serve.engine import Engine, EngineConfig
+from serve.engine.config import CacheConfig
+from serve.engine.core import Engine, EngineConfig
 from serve.http import BackgroundServer
 from serve.openai import ServerInfo
 from serve.tenancy.tenants import TenantsSource
+from tests.serve.engines import config_from_options
 
 
 def make_engine(model_dir: Path, **kwargs) -> Engine:
     source = resolve_model(str(model_dir))
-    config = EngineConfig(**{"block_size": 4, "kv_memory": "16MB", "max_model_len": 256, **kwargs})
+    config = config_from_options(**{"block_size": 4, "kv_memory": "16MB", "max_model_len": 256, **kwargs})
     return Engine(load_model(source), load_tokenizer(source), config)
 
 
@@ -374,7 +376,9 @@ def test_a_server_on_int8_prompts_reports_and_routes_by_their_measured_kl(tiny_q
     quality = read_manifest(tiny_qwen2_artifact)["quality"]
     exact, int8 = (load_for_serving(str(tiny_qwen2_artifact), prefill_dtype=d) for d in ("float32", "int8"))
     assert (exact.kl, int8.kl) == (quality["kl"], quality["prompt_int8"]["kl"]) and exact.kl != int8.kl
-    engine = build_engine(int8, EngineConfig(block_size=4, kv_memory="8MB", prefill_dtype="int8"))
+    engine = build_engine(
+        int8, EngineConfig(cache=CacheConfig(block_size=4, memory="8MB"), prefill_dtype="int8")
+    )
     assert engine.numerics()["prefill_dtype"] == "int8"
     assert "int8 activations" in str(engine.numerics()["prompt_path"])
 
@@ -388,7 +392,7 @@ def test_the_prefill_dtype_is_set_on_the_model_and_keys_its_kv(tiny_qwen2_artifa
     engines = {
         dtype: build_engine(
             load_for_serving(str(tiny_qwen2_artifact)),
-            EngineConfig(block_size=4, kv_memory="8MB", prefill_dtype=dtype),
+            EngineConfig(cache=CacheConfig(block_size=4, memory="8MB"), prefill_dtype=dtype),
         )
         for dtype in ("float32", "bfloat16")
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve.block_pool import BlockPool, chain_root, prefix_keys
+from serve.core.block_pool import BlockPool, chain_root, prefix_keys
 
 
 def test_allocate_free_and_exhaustion_returns_none() -> None:
@@ -96,7 +96,7 @@ def test_keys_are_sha256_chains_salted_per_tenant() -> None:
 
 
 def test_a_sequence_extends_its_keys_as_blocks_fill() -> None:
-    from serve.request import Request, SamplingParams
+    from serve.core.request import Request, SamplingParams
 
     request = Request("r", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0), cache_salt=b"t1")
     assert request.keys(2) == prefix_keys([1, 2, 3, 4], 2, chain_root(b"t1"))

@@ -18,14 +18,13 @@ from serve.control.controller import (
     ControlConfig,
     Controller,
     Decision,
-    Knobs,
-    Load,
     Observation,
     TierPolicy,
     Variant,
 )
 from serve.control.forecast import Ewma, Holt, compare, poisson
 from serve.control.slo import Ledger, Slo
+from serve.engine.protocol import Knobs, Load
 
 TICK = 0.5
 TIERS = [

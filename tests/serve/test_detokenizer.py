@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from quantize.model.sources import load_model, load_tokenizer, resolve_model
-from serve.detokenizer import IncrementalDetokenizer, Vocabulary
+from serve.engine.config import CacheConfig
+from serve.engine.detokenizer import IncrementalDetokenizer, Vocabulary
 
 TEXTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -128,11 +129,11 @@ def test_decode_work_grows_linearly(tokenizer: Any) -> None:
 def stories_engine(stories_dir: Path) -> Any:
     import torch
 
-    from serve.engine import Engine, EngineConfig
+    from serve.engine.core import Engine, EngineConfig
 
     source = resolve_model(str(stories_dir))
     model = load_model(source, dtype=torch.float32)
-    return lambda: Engine(model, load_tokenizer(source), EngineConfig(kv_memory="8MB"))
+    return lambda: Engine(model, load_tokenizer(source), EngineConfig(cache=CacheConfig(memory="8MB")))
 
 
 def _generate(engine: Any, prompt: str, params: Any) -> tuple[list[str], list[int], str | None]:
@@ -152,7 +153,7 @@ def _generate(engine: Any, prompt: str, params: Any) -> tuple[list[str], list[in
 
 
 def test_the_engine_streams_a_full_decode_and_stops_across_tokens(stories_engine) -> None:
-    from serve.request import SamplingParams
+    from serve.core.request import SamplingParams
 
     engine = stories_engine()
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
@@ -171,7 +172,7 @@ def test_the_engine_streams_a_full_decode_and_stops_across_tokens(stories_engine
 def test_the_engines_decode_work_grows_linearly(stories_engine) -> None:
     """500 tokens through the engine: every id it hands the tokenizer counted (a full decode per token would
     hand it 125,250)."""
-    from serve.request import SamplingParams
+    from serve.core.request import SamplingParams
 
     engine = stories_engine()
     real = engine.tokenizer

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-import serve.sampler
+import serve.core.sampler
 from quantize.model.sources import load_model, load_tokenizer, resolve_model
-from serve.engine import Engine, EngineConfig, RequestOutput
-from serve.request import GREEDY_TEMPERATURE, Request, SamplingParams
+from serve.core.request import GREEDY_TEMPERATURE, Request, SamplingParams
+from serve.engine.config import CacheConfig
+from serve.engine.core import Engine, EngineConfig, RequestOutput
 
 PROMPT = "Once upon a time, there was a little girl named Lily."
 OTHER = "Tom and his dog went to the park"
@@ -27,7 +28,7 @@ def stories(stories_dir: Path) -> tuple[Any, Any]:
 
 def _engine(stories: tuple[Any, Any]) -> Engine:
     model, tokenizer = stories
-    return Engine(model, tokenizer, EngineConfig(kv_memory="8MB"))
+    return Engine(model, tokenizer, EngineConfig(cache=CacheConfig(memory="8MB")))
 
 
 def _run(engine: Engine, requests: dict[str, tuple[str, SamplingParams]]) -> dict[str, RequestOutput]:
@@ -80,14 +81,14 @@ def test_a_tiny_temperature_beside_a_greedy_request_is_greedy_and_fails_nobody(s
 
 def test_a_row_whose_distribution_is_not_finite_finishes_alone(stories, monkeypatch) -> None:
     alone = _run(_engine(stories), {"a": (PROMPT, SAMPLED), "b": (OTHER, GREEDY)})
-    real = serve.sampler.distribution
+    real = serve.core.sampler.distribution
 
     def poisoned(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         if params.seed == 666:  # the bad request's own numbers: its logits after temperature are NaN
             return real(torch.full_like(logits, float("nan")), params)
         return real(logits, params)
 
-    monkeypatch.setattr(serve.sampler, "distribution", poisoned)
+    monkeypatch.setattr(serve.core.sampler, "distribution", poisoned)
     engine = _engine(stories)
     together = _run(
         engine,
@@ -144,7 +145,7 @@ def test_a_failing_model_run_fails_every_row_and_counts_as_a_step_error(stories)
         )
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
-    engine._fail_all("RuntimeError: injected kernel failure")  # what `run` does with a failed step
+    engine.fail_all("RuntimeError: injected kernel failure")  # what `run` does with a failed step
     assert {o.finish_reason for o in outputs.values()} == {"error"} and len(outputs) == 2
     assert _errors(engine, "step") == 2 and _errors(engine, "request") == 0
 

@@ -132,7 +132,7 @@ def test_enqueue_work_stream_ack(tiny_llama: Path, local_redis: LocalRedis, refe
         too_long = httpx.post(f"{base}/v1/completions", json={**STORY, "max_tokens": 10_000}, timeout=30)
         assert too_long.status_code == 400  # the worker knows the model's length; its 400 comes back
         deleted = httpx.delete(f"{base}/v1/sessions/s1", params={"user": "ann"})
-        assert deleted.status_code == 404  # the worker answered: it holds no such session (no KV tiers)
+        assert deleted.status_code == 404  # the worker answered: it holds no such session (no KV offload)
         assert httpx.delete(f"{base}/v1/sessions").status_code == 400
         client = redis.Redis.from_url(local_redis.url)
         wait_for(lambda: client.xlen(fleet_worker.own) == 0, what="the worker to apply the deletion")

@@ -1,6 +1,6 @@
-"""The surge controller at a fleet gateway, on a real `redis-server`, with two workers serving two builds of one
-tiny model: `/v1/models` lists the builds, answers name theirs, a request may pin one; under a burst the gateway
-moves the free tier to the cheaper build and sheds it while the priority tier stays on the accurate one, and the
+"""The surge controller at a fleet gateway, on a real `redis-server`, with two workers serving two variants of one
+tiny model: `/v1/models` lists the variants, answers name theirs, a request may pin one; under a burst the gateway
+moves the free tier to the cheaper variant and sheds it while the priority tier stays on the accurate one, and the
 knobs it sets reach the workers' engines through Redis (parity with the single server's test)."""
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ import httpx
 import pytest
 import redis
 
-from serve.control.controller import ControlConfig, Knobs
-from serve.engine import EngineConfig
+from serve.control.controller import ControlConfig
+from serve.core.config import SchedulerConfig
+from serve.engine.config import CacheConfig
+from serve.engine.core import EngineConfig
+from serve.engine.protocol import Knobs
 from serve.fleet import wire as P
 from serve.fleet.local_redis import LocalRedis
 from serve.fleet.run import host_workers
@@ -27,9 +30,9 @@ from serve.openai import ServerInfo
 from serve.options import ServeOptions
 from serve.tenancy.tenants import TenantsSource
 from tests.serve.test_fleet import gateway, live_workers, local_redis, wait_for
-from tests.serve.test_surge_api import TENANTS, A, B, builds
+from tests.serve.test_surge_api import TENANTS, A, B, artifacts
 
-__all__ = ["builds", "local_redis"]  # fixtures, used by name
+__all__ = ["artifacts", "local_redis"]  # fixtures, used by name
 
 
 def build_worker(path: Path, url: str) -> FleetWorker:
@@ -37,18 +40,20 @@ def build_worker(path: Path, url: str) -> FleetWorker:
     engine = build_engine(
         loaded,
         EngineConfig(
-            block_size=4, kv_memory="16MB", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64
+            cache=CacheConfig(block_size=4, memory="16MB"),
+            scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
+            max_model_len=256,
         ),
     )
     config = WorkerConfig(url, "tiny", loaded.version, loaded.content_hash, variant=loaded.name, kl=loaded.kl)
     return FleetWorker(engine, config)
 
 
-def one_process_both_builds(builds: dict[str, Path], url: str) -> list[FleetWorker]:
+def one_process_both_variants(artifacts: dict[str, Path], url: str) -> list[FleetWorker]:
     """What `qpack serve int8 int4 --role all` starts in each worker process (`--worker-variants all`)."""
     options = ServeOptions(
-        str(builds["tiny-int8"]),
-        variants=(str(builds["tiny-int4"]),),
+        str(artifacts["tiny-int8"]),
+        variants=(str(artifacts["tiny-int4"]),),
         model_name="tiny",
         kv_memory="16MB",
         block_size=4,
@@ -75,9 +80,9 @@ def running(workers: list[FleetWorker]) -> Iterator[list[FleetWorker]]:
             thread.join(timeout=30)
 
 
-@pytest.mark.parametrize("layout", ["a build each", "both builds in one process"])
-def test_the_gateway_routes_builds_by_tier_and_load_and_its_knobs_reach_the_workers(
-    builds: dict[str, Path], local_redis: LocalRedis, tmp_path: Path, layout: str
+@pytest.mark.parametrize("layout", ["a variant each", "both variants in one process"])
+def test_the_gateway_routes_variants_by_tier_and_load_and_its_knobs_reach_the_workers(
+    artifacts: dict[str, Path], local_redis: LocalRedis, tmp_path: Path, layout: str
 ) -> None:
     path = tmp_path / "tenants.toml"
     path.write_text(TENANTS)
@@ -86,10 +91,10 @@ def test_the_gateway_routes_builds_by_tier_and_load_and_its_knobs_reach_the_work
     )
     info = ServerInfo("fleet", "", TenantsSource(path), request_timeout=120, control=control)
     body = {"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
-    if layout == "a build each":
-        workers = [build_worker(builds[name], local_redis.url) for name in ("tiny-int8", "tiny-int4")]
+    if layout == "a variant each":
+        workers = [build_worker(artifacts[name], local_redis.url) for name in ("tiny-int8", "tiny-int4")]
     else:
-        workers = one_process_both_builds(builds, local_redis.url)
+        workers = one_process_both_variants(artifacts, local_redis.url)
     with (
         running(workers) as (accurate, cheap),
         gateway(local_redis.url, info=info, request_timeout=120) as base,
@@ -144,9 +149,9 @@ def test_the_gateway_routes_builds_by_tier_and_load_and_its_knobs_reach_the_work
     assert knobs and int(knobs[b"max_num_seqs"]) in (1, 2)
     assert accurate.knobs_version and cheap.knobs_version  # both took up the controller's knobs
     assert float(knobs[b"patience"]) == accurate.patience == 5.0  # a quarter of the top tier's 20 s target
-    if layout != "a build each":
+    if layout != "a variant each":
         assert accurate.config.host == cheap.config.host and accurate.engine is not cheap.engine
-        assert cheap.engine.defer_to is not None  # the cheaper build gives way to a late top-tier prompt
+        assert cheap.engine.defer_to is not None  # the cheaper variant gives way to a late top-tier prompt
     assert 'qpack_fleet_slo_requests_total{model="tiny",outcome="shed",tier="free"}' in metrics
     assert 'qpack_fleet_control_decisions_total{kind="route",model="tiny"}' in metrics
 
@@ -157,15 +162,15 @@ def test_the_fleet_pools_capacity_only_when_every_worker_process_holds_every_bui
     from serve.fleet.control import FleetControl, cohosted
     from serve.metrics import ControlMetrics
 
-    def worker(worker_id: str, build: str, host: str) -> P.WorkerInfo:
-        kl = 0.001 if build == "tiny-int8" else 0.02
-        return P.WorkerInfo(worker_id, "tiny", "1", "hash", 4, 0, 0.0, variant=build, kl=kl, host=host)
+    def worker(worker_id: str, variant: str, host: str) -> P.WorkerInfo:
+        kl = 0.001 if variant == "tiny-int8" else 0.02
+        return P.WorkerInfo(worker_id, "tiny", "1", "hash", 4, 0, 0.0, variant=variant, kl=kl, host=host)
 
     both = [worker(f"w{i}", b, f"p{i // 2}") for i, b in enumerate(["tiny-int8", "tiny-int4"] * 2)]
     each = [worker("w0", "tiny-int8", "p0"), worker("w1", "tiny-int4", "p1")]
     mixed = [*both, worker("w9", "tiny-int8", "p9")]
     assert cohosted(both) and not cohosted(each) and not cohosted(mixed)
-    assert not cohosted([worker("w0", "tiny-int8", "p0")])  # one build: nothing to pool
+    assert not cohosted([worker("w0", "tiny-int8", "p0")])  # one variant: nothing to pool
     path = tmp_path / "tenants.toml"
     path.write_text(TENANTS)
     control = FleetControl(
@@ -192,8 +197,10 @@ def test_a_gateway_reports_each_models_controller_apart(tmp_path: Path) -> None:
     control = FleetControl(
         None, ControlConfig(capacity=3.0), TenantsSource(path), ControlMetrics(registry, "t", per="model")
     )
-    for model, build in (("tiny", "tiny-int8"), ("other", "other-int8")):
-        info = P.WorkerInfo("w-" + model, model, "1", "hash", 4, 0, 0.0, variant=build, kl=0.001, host=model)
+    for model, variant in (("tiny", "tiny-int8"), ("other", "other-int8")):
+        info = P.WorkerInfo(
+            "w-" + model, model, "1", "hash", 4, 0, 0.0, variant=variant, kl=0.001, host=model
+        )
         loop = control.loop_for(model, [info])
         loop.shed(Caller(tier="free", tier_rank=2))
         loop.tick()

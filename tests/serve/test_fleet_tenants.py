@@ -88,7 +88,7 @@ def test_the_gateway_stamps_the_tenant_and_workers_isolate_by_it(
         foreign = post(base, B, {**HISTORY, "user": "alice", "service_tier": "priority"})
         assert foreign.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # not A's KV
         assert foreign.json()["service_tier"] == "flex"  # asked up, ran at its own tier
-        fleet_worker.engine.tiers.tiers.flush()  # type: ignore[union-attr]
+        fleet_worker.engine.offload.manager.flush()  # type: ignore[union-attr]
         refused = httpx.delete(f"{base}/v1/sessions/s1", params={"user": "alice"}, headers=B)
         assert refused.status_code == 404
         deleted = httpx.delete(f"{base}/v1/sessions/s1", params={"user": "alice"}, headers=A)
@@ -103,7 +103,7 @@ def test_the_gateway_stamps_the_tenant_and_workers_isolate_by_it(
 
 @pytest.fixture()
 def tiered_worker_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Workers in this module keep KV tiers (sessions are recorded only there)."""
+    """Workers in this module keep KV offload stores (sessions are recorded only there)."""
     import tests.serve.test_fleet as fleet_tests
     from tests.serve.test_api import make_engine
 

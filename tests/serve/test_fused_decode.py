@@ -16,9 +16,11 @@ from quantize.model.sources import load_tokenizer
 from quantize.model.surgery import QuantizedWeight, install
 from quantize.runtime.handlers import handler_for
 from quantize.runtime.kernels import ops as kernels
-from serve import engine as engine_module
-from serve.engine import Engine, EngineConfig, RequestOutput
-from serve.request import SamplingParams
+from serve.core.config import SchedulerConfig
+from serve.core.request import SamplingParams
+from serve.engine import core as engine_module
+from serve.engine.config import CacheConfig
+from serve.engine.core import Engine, EngineConfig, RequestOutput
 from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -97,7 +99,8 @@ def test_fused_decode_step_matches_the_layer_loop(
     model = _model(arch, window)
     tokenizer = load_tokenizer(str(tiny_llama))
     config = EngineConfig(
-        block_size=4, kv_memory="4MB", kv_dtype=kv_dtype, max_num_batched_tokens=16 * copies, max_num_seqs=32
+        cache=CacheConfig(block_size=4, memory="4MB", dtype=str(kv_dtype).removeprefix("torch.")),
+        scheduler=SchedulerConfig(max_num_batched_tokens=16 * copies, max_num_seqs=32),
     )
     fused = Engine(model, tokenizer, config)
     assert kernels.ready()
@@ -140,11 +143,8 @@ def _logits_by_request(
 ) -> dict[str, list[torch.Tensor]]:
     """Every sampled token's logits, per request, with PROMPTS scheduled as asked."""
     config = EngineConfig(
-        block_size=4,
-        kv_memory="4MB",
-        kv_dtype=kv_dtype,
-        max_num_batched_tokens=budget,
-        max_num_seqs=32,
+        cache=CacheConfig(block_size=4, memory="4MB", dtype=str(kv_dtype).removeprefix("torch.")),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=32),
         batch_invariant=invariant,
     )
     engine = Engine(model, tokenizer, config)
@@ -207,4 +207,8 @@ def test_batch_invariant_mode_computes_the_same_bits_however_a_prompt_is_schedul
 def test_batch_invariant_mode_refuses_a_model_the_fused_step_cant_run(tiny_llama) -> None:
     model = _model("llama", None)  # layer 2 has a float16 projection
     with pytest.raises(ValueError, match=r"--batch-invariant: the fused step can't run layers 2 "):
-        Engine(model, load_tokenizer(str(tiny_llama)), EngineConfig(kv_memory="4MB", batch_invariant=True))
+        Engine(
+            model,
+            load_tokenizer(str(tiny_llama)),
+            EngineConfig(cache=CacheConfig(memory="4MB"), batch_invariant=True),
+        )

@@ -7,10 +7,13 @@ import torch
 
 from quantize.io.artifact import load_artifact
 from quantize.model.sources import load_model, load_tokenizer, resolve_model
-from serve.engine import Engine, EngineConfig, RequestOutput
+from serve.core.config import SchedulerConfig
+from serve.core.request import SamplingParams
+from serve.core.runner import StepBatch
+from serve.engine import loop
+from serve.engine.config import CacheConfig
+from serve.engine.core import Engine, EngineConfig, RequestOutput
 from serve.loading import load_for_serving
-from serve.request import SamplingParams
-from serve.runner import StepBatch
 
 PROMPTS = [
     [1, 5, 9, 33, 71],
@@ -58,7 +61,10 @@ def test_greedy_matches_hf_generate_alone_and_batched(model_and_tokenizer, chunk
     model, tokenizer = model_and_tokenizer
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = [hf_greedy(model, p, 12) for p in PROMPTS]
-    config = EngineConfig(block_size=4, kv_memory="8MB", max_num_batched_tokens=chunk, max_num_seqs=16)
+    config = EngineConfig(
+        cache=CacheConfig(block_size=4, memory="8MB"),
+        scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=16),
+    )
     for index, prompt in enumerate(PROMPTS):
         alone = run(Engine(model, tokenizer, config), [prompt], params)
         assert alone["r0"] == expected[index]
@@ -76,7 +82,9 @@ def test_an_artifact_serves_the_same_from_the_skeleton(tiny_qwen2_artifact) -> N
     hf = load_artifact(tiny_qwen2_artifact).model
     assert type(lean.model).__name__ == "CausalLMSkeleton"
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    config = EngineConfig(block_size=4, kv_memory="8MB", max_num_batched_tokens=7)
+    config = EngineConfig(
+        cache=CacheConfig(block_size=4, memory="8MB"), scheduler=SchedulerConfig(max_num_batched_tokens=7)
+    )
     ours = run(Engine(lean.model, lean.tokenizer, config), PROMPTS, params)
     theirs = run(Engine(hf, lean.tokenizer, config), PROMPTS, params)
     assert ours == theirs and all(len(tokens) == 10 for tokens in ours.values())
@@ -86,8 +94,14 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_exact(model_and_tokenizer) -
     model, tokenizer = model_and_tokenizer
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     expected = [hf_greedy(model, p, 10) for p in PROMPTS]
-    per_token = Engine(model, tokenizer, EngineConfig(block_size=4, kv_memory="8MB")).kv_bytes_per_token
-    config = EngineConfig(block_size=4, kv_memory=str(per_token * 4 * 12), max_num_seqs=8, max_model_len=40)
+    per_token = Engine(
+        model, tokenizer, EngineConfig(cache=CacheConfig(block_size=4, memory="8MB"))
+    ).kv_bytes_per_token
+    config = EngineConfig(
+        cache=CacheConfig(block_size=4, memory=str(per_token * 4 * 12)),
+        scheduler=SchedulerConfig(max_num_seqs=8),
+        max_model_len=40,
+    )
     engine = Engine(model, tokenizer, config)
     outputs = run(engine, PROMPTS, params)
     assert engine.scheduler.num_preemptions > 0
@@ -99,7 +113,7 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_exact(model_and_tokenizer) -
 def test_seeded_sampling_is_batch_independent(model_and_tokenizer) -> None:
     model, tokenizer = model_and_tokenizer
     params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
-    config = EngineConfig(block_size=4, kv_memory="8MB")
+    config = EngineConfig(cache=CacheConfig(block_size=4, memory="8MB"))
     alone = run(Engine(model, tokenizer, config), [PROMPTS[0]], params)["r0"]
     crowd = run(Engine(model, tokenizer, config), [PROMPTS[1], PROMPTS[0], PROMPTS[2]], params)["r1"]
     assert alone == crowd and len(alone) == 8
@@ -111,7 +125,7 @@ def test_a_continued_answer_samples_what_the_first_engine_would_have(model_and_t
     """A fleet worker taking over after token k: same (seed, index) draws, so the same remaining tokens."""
     model, tokenizer = model_and_tokenizer
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
-    config = EngineConfig(block_size=4, kv_memory="8MB")
+    config = EngineConfig(cache=CacheConfig(block_size=4, memory="8MB"))
     whole = run(Engine(model, tokenizer, config), [PROMPTS[3]], params)["r0"]
     texts: list[str] = []
     engine = Engine(model, tokenizer, config)
@@ -140,7 +154,7 @@ def test_compiled_decode_matches_eager(tiny_llama) -> None:
     model, tokenizer = load_model(source), load_tokenizer(source)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     expected = [hf_greedy(model, p, 6) for p in PROMPTS[:3]]
-    config = EngineConfig(block_size=4, kv_memory="8MB", compile=True)
+    config = EngineConfig(cache=CacheConfig(block_size=4, memory="8MB"), compile=True)
     engine = Engine(model, tokenizer, config)
     engine.runner.segments = [(0, len(engine.runner.plans), None)]  # as for layers the fused step can't run
     compiled = engine.runner._decode_fn
@@ -152,7 +166,7 @@ def test_compiled_decode_matches_eager(tiny_llama) -> None:
         return compiled(batch)
 
     engine.runner._decode_fn = counting
-    engine.warmup()
+    loop.warmup(engine)
     outputs = run(engine, PROMPTS[:3], params)
     assert [outputs[f"r{i}"] for i in range(3)] == expected
     assert engine.runner._decode_fn is counting  # still compiled: no fallback to eager happened
@@ -165,13 +179,22 @@ def test_a_half_precision_kv_pool_halves_memory_and_stays_close(tiny_llama, kv_d
     model, tokenizer = load_model(source), load_tokenizer(source)
     logits = {}
     for dtype in (torch.float32, kv_dtype):
-        engine = Engine(model, tokenizer, EngineConfig(block_size=4, kv_memory="8MB", kv_dtype=dtype))
+        engine = Engine(
+            model,
+            tokenizer,
+            EngineConfig(
+                cache=CacheConfig(block_size=4, memory="8MB", dtype=str(dtype).removeprefix("torch."))
+            ),
+        )
         engine.add("r", PROMPTS[2], SamplingParams(max_tokens=4, temperature=0.0), lambda _o: None)
         scheduled = engine.scheduler.schedule().scheduled
         logits[dtype] = engine.runner.run(engine.runner.prepare(scheduled))
         assert engine.runner.k_cache[0].dtype == dtype
         per_token = engine.kv_bytes_per_token
-    assert per_token * 2 == Engine(model, tokenizer, EngineConfig(kv_memory="8MB")).kv_bytes_per_token
+    assert (
+        per_token * 2
+        == Engine(model, tokenizer, EngineConfig(cache=CacheConfig(memory="8MB"))).kv_bytes_per_token
+    )
     reference = logits[torch.float32]
     error = (logits[kv_dtype] - reference).abs().max() / reference.abs().max()
     assert 0 < error < 2e-2
@@ -181,7 +204,11 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(tiny_llama) -> N
     import threading
 
     source = resolve_model(str(tiny_llama))
-    engine = Engine(load_model(source), load_tokenizer(source), EngineConfig(block_size=4, kv_memory="8MB"))
+    engine = Engine(
+        load_model(source),
+        load_tokenizer(source),
+        EngineConfig(cache=CacheConfig(block_size=4, memory="8MB")),
+    )
     real_run = engine.runner.run
     calls = {"n": 0}
 
@@ -202,10 +229,10 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(tiny_llama) -> N
                 done.set()
 
     stop = threading.Event()
-    loop = threading.Thread(target=engine.run, args=(stop,), daemon=True)
+    thread = threading.Thread(target=loop.run, args=(engine, stop), daemon=True)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add("first", PROMPTS[0], params, collect)
-    loop.start()
+    thread.start()
     try:
         for _ in range(200):
             if "first" in finished:
@@ -215,7 +242,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(tiny_llama) -> N
         assert done.wait(30)
     finally:
         stop.set()
-        loop.join(10)
+        thread.join(10)
     assert finished["first"].finish_reason == "error"
     assert finished["second"].finish_reason == "length" and finished["second"].completion_tokens == 4
     assert "injected kernel failure" in engine.stats.extra["last_error"]

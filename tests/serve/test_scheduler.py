@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from serve.block_pool import BlockPool
-from serve.request import Owner, Request, SamplingParams, Status
-from serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from serve.core.block_pool import BlockPool
+from serve.core.config import SchedulerConfig
+from serve.core.kv_cache_manager import KVCacheManager
+from serve.core.request import Owner, Request, SamplingParams, Status
+from serve.core.scheduler import Scheduler, SchedulerOutput
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
 
-def make(num_blocks: int = 20, **kwargs) -> Scheduler:
-    config = SchedulerConfig(
-        **{"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 4, "max_queue": 8, **kwargs}
-    )
-    return Scheduler(config, BlockPool(num_blocks))
+def make(num_blocks: int = 20, block_size: int = 4, **kwargs) -> Scheduler:
+    config = SchedulerConfig(**{"max_num_batched_tokens": 16, "max_num_seqs": 4, "max_queue": 8, **kwargs})
+    return Scheduler(config, KVCacheManager(BlockPool(num_blocks), block_size))
 
 
 TIERS = {"priority": 0, "standard": 1, "free": 2}
@@ -146,7 +146,7 @@ def test_kv_waste_counts_only_the_last_partial_block() -> None:
     s = make(max_num_batched_tokens=64)
     s.add(request("a", 9))
     mock_step(s)
-    allocated, unused = s.kv_waste()
+    allocated, unused = s.kv.waste(s.running)
     assert allocated == 12 and unused == 2  # 10 tokens (9 prompt + 1 sampled) in 3 blocks of 4
 
 

@@ -15,10 +15,10 @@ import httpx
 import pytest
 import torch
 
-from serve.engine import Engine
-from serve.tiers.codec import BlockLayout
-from serve.tiers.stores import DiskStore, HostStore
-from serve.tiers.tiered import TieredKV
+from serve.engine.core import Engine
+from serve.offload.codec import BlockLayout
+from serve.offload.manager import OffloadManager
+from serve.offload.stores import DiskStore, HostStore
 
 LAYOUT = BlockLayout(b"m" * 32, torch.float32, 4, 2, 2, 8)  # 1 KiB raw: one 16 KiB host page per block
 OTHER_MODEL = BlockLayout(b"n" * 32, torch.float32, 4, 2, 2, 8)
@@ -34,7 +34,7 @@ def _key(i: int) -> bytes:
 
 
 def test_an_index_entry_dies_with_its_last_stored_block() -> None:
-    tiers = TieredKV(LAYOUT, HostStore(2 * PAGE), None)  # room for two blocks
+    tiers = OffloadManager(LAYOUT, HostStore(2 * PAGE), None)  # room for two blocks
     for i in range(3):
         tiers.offer(_key(i), _block(i), ("acme", "u", f"s{i}"))
         tiers.flush()
@@ -46,7 +46,7 @@ def test_an_index_entry_dies_with_its_last_stored_block() -> None:
 
 def test_a_block_two_sessions_hold_keeps_both_entries_until_it_goes(tmp_path: Path) -> None:
     host, disk = HostStore(4 * PAGE), DiskStore(tmp_path / "t2", 10**6)
-    tiers = TieredKV(LAYOUT, host, disk)
+    tiers = OffloadManager(LAYOUT, host, disk)
     tiers.offer(_key(1), _block(1), ("acme", "u", "a"))
     tiers.offer(_key(1), _block(1), ("acme", "u", "b"))
     tiers.flush()
@@ -58,7 +58,7 @@ def test_a_block_two_sessions_hold_keeps_both_entries_until_it_goes(tmp_path: Pa
 
 
 def test_each_tenant_indexes_at_most_its_cap_and_the_oldest_session_goes_first() -> None:
-    tiers = TieredKV(LAYOUT, HostStore(64 * PAGE), None)
+    tiers = OffloadManager(LAYOUT, HostStore(64 * PAGE), None)
     for i in range(5):
         tiers.touch(("acme", "u", f"s{i}"), max_sessions=3)
         tiers.offer(_key(i), _block(i), ("acme", "u", f"s{i}"), max_sessions=3)
@@ -79,16 +79,16 @@ def test_each_tenant_indexes_at_most_its_cap_and_the_oldest_session_goes_first()
 
 
 def test_the_default_cap_applies_to_sessions_that_name_none() -> None:
-    tiers = TieredKV(LAYOUT, HostStore(64 * PAGE), None, max_sessions=2)
+    tiers = OffloadManager(LAYOUT, HostStore(64 * PAGE), None, max_sessions=2)
     for i in range(4):
         tiers.touch(("acme", "u", f"s{i}"))
     assert set(tiers.sessions) == {("acme", "u", "s2"), ("acme", "u", "s3")}
     tiers.close()
 
 
-def _crowded(other_sessions: int) -> TieredKV:
+def _crowded(other_sessions: int) -> OffloadManager:
     """Tiers indexing one acme session and `other_sessions` of another tenant (recorded directly: no blocks)."""
-    tiers = TieredKV(LAYOUT, HostStore(8 * PAGE), None, max_sessions=10**7)
+    tiers = OffloadManager(LAYOUT, HostStore(8 * PAGE), None, max_sessions=10**7)
     for i in range(other_sessions):
         tiers.touch(("globex", f"user-{i}", "s"))
     tiers.offer(_key(1), _block(1), ("acme", "alice", "s1"))
@@ -110,7 +110,7 @@ def test_a_deletion_costs_only_its_tenants_sessions() -> None:
 def test_expiry_forgets_idle_sessions_in_one_pass_without_a_whole_index_forget(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    tiers = TieredKV(LAYOUT, HostStore(64 * PAGE), None, session_ttl=100.0)
+    tiers = OffloadManager(LAYOUT, HostStore(64 * PAGE), None, session_ttl=100.0)
     for i in range(6):
         tiers.offer(
             _key(i), _block(i), ("acme" if i % 2 else "globex", "u", f"s{i}"), 10.0 if i < 4 else None
@@ -143,7 +143,7 @@ class HeldStore(HostStore):
 
 def test_blocks_queued_for_a_deleted_session_are_never_written() -> None:
     store = HeldStore()
-    tiers = TieredKV(LAYOUT, store, None)
+    tiers = OffloadManager(LAYOUT, store, None)
     tiers.offer(_key(0), _block(0), ("acme", "alice", "s1"))
     time.sleep(0.2)  # the writer holds block 0; blocks 1-3 wait in the queue
     for i in (1, 2):
@@ -162,19 +162,21 @@ def test_blocks_queued_for_a_deleted_session_are_never_written() -> None:
 def test_every_engine_sharing_a_disk_folder_finds_its_sessions_after_a_restart(tmp_path: Path) -> None:
     """`qpack serve A B` (two models) and two workers of one model, all on one kv_disk folder."""
     folder = tmp_path / "t2"
-    engines = [TieredKV(layout, None, DiskStore(folder, 10**7)) for layout in (LAYOUT, OTHER_MODEL, LAYOUT)]
+    engines = [
+        OffloadManager(layout, None, DiskStore(folder, 10**7)) for layout in (LAYOUT, OTHER_MODEL, LAYOUT)
+    ]
     for index, tiers in enumerate(engines):
         tiers.offer(_key(index), _block(index), ("acme", "alice", f"engine-{index}"))
         tiers.flush()
     for tiers in engines:
         tiers.close()
-    model_a = TieredKV(LAYOUT, None, DiskStore(folder, 10**7))
-    model_b = TieredKV(OTHER_MODEL, None, DiskStore(folder, 10**7))
+    model_a = OffloadManager(LAYOUT, None, DiskStore(folder, 10**7))
+    model_b = OffloadManager(OTHER_MODEL, None, DiskStore(folder, 10**7))
     assert set(model_a.sessions) == {("acme", "alice", "engine-0"), ("acme", "alice", "engine-2")}
     assert set(model_b.sessions) == {("acme", "alice", "engine-1")}
     assert model_a.forget("acme", "alice", None) == [_key(0), _key(2)]
     model_a.close()
-    again = TieredKV(LAYOUT, None, DiskStore(folder, 10**7))
+    again = OffloadManager(LAYOUT, None, DiskStore(folder, 10**7))
     assert not again.sessions
     again.close()
     model_b.close()
@@ -185,7 +187,7 @@ def _index_files(folder: Path) -> dict[str, int]:
 
 
 def test_a_deletion_appends_a_line_to_its_tenants_log_and_rewrites_no_index(tmp_path: Path) -> None:
-    tiers = TieredKV(LAYOUT, None, DiskStore(tmp_path / "t2", 10**7))
+    tiers = OffloadManager(LAYOUT, None, DiskStore(tmp_path / "t2", 10**7))
     tiers.offer(_key(1), _block(1), ("acme", "alice", "s1"))
     tiers.offer(_key(2), _block(2), ("globex", "bob", "s1"))
     tiers.flush()
@@ -197,7 +199,7 @@ def test_a_deletion_appends_a_line_to_its_tenants_log_and_rewrites_no_index(tmp_
     assert sorted(after) == sorted(files) and after["t-globex.log"] == files["t-globex.log"]
     assert 0 < after["t-acme.log"] - files["t-acme.log"] < 100  # one line
     tiers.close()
-    again = TieredKV(LAYOUT, None, DiskStore(tmp_path / "t2", 10**7))
+    again = OffloadManager(LAYOUT, None, DiskStore(tmp_path / "t2", 10**7))
     assert set(again.sessions) == {("globex", "bob", "s1")}
     again.flush()  # taken over: written whole once, the logs emptied
     assert sorted(_index_files(tmp_path / "t2")) == ["t-globex.json"]
@@ -205,7 +207,7 @@ def test_a_deletion_appends_a_line_to_its_tenants_log_and_rewrites_no_index(tmp_
 
 
 def test_a_long_log_is_folded_into_its_tenants_file(tmp_path: Path) -> None:
-    tiers = TieredKV(LAYOUT, None, DiskStore(tmp_path / "t2", 10**8))
+    tiers = OffloadManager(LAYOUT, None, DiskStore(tmp_path / "t2", 10**8))
     for _ in range(1200):
         tiers.touch(("acme", "u", "s"))
         tiers.forget("acme", "u", "s")
@@ -213,7 +215,7 @@ def test_a_long_log_is_folded_into_its_tenants_file(tmp_path: Path) -> None:
     tiers.flush()
     assert sorted(_index_files(tmp_path / "t2")) in (["t-acme.json"], ["t-acme.json", "t-acme.log"])
     tiers.close()
-    again = TieredKV(LAYOUT, None, DiskStore(tmp_path / "t2", 10**8))
+    again = OffloadManager(LAYOUT, None, DiskStore(tmp_path / "t2", 10**8))
     assert set(again.sessions) == {("acme", "u", "kept")}
     again.close()
 
@@ -239,7 +241,7 @@ def test_a_legacy_index_is_taken_over_by_one_engine(tmp_path: Path) -> None:
         ],
     }
     (folder / "sessions.json").write_text(json.dumps(legacy))
-    tiers = TieredKV(LAYOUT, None, disk)
+    tiers = OffloadManager(LAYOUT, None, disk)
     assert set(tiers.sessions) == {("acme", "b", "s")}  # a session without a stored block is no entry
     assert tiers.sessions[("acme", "b", "s")].keys == {_key(1): 10}
     assert not (folder / "sessions.json").exists()
@@ -295,12 +297,12 @@ def test_a_deletion_neither_holds_the_event_loop_nor_waits_on_a_step_to_drop_sto
     url, engine = limited_server
     body = {"prompt": STORY, "max_tokens": 2, "temperature": 0, "user": "bob", "session_id": "s1"}
     assert httpx.post(f"{url}/v1/completions", json=body, headers=GLOBEX, timeout=60).status_code == 200
-    assert engine.tiers is not None
-    tiers = engine.tiers.tiers
+    assert engine.offload is not None
+    tiers = engine.offload.manager
     tiers.flush()
     stored = set(tiers.sessions[("globex", "bob", "s1")].keys)
     assert stored and tiers.host is not None
-    with concurrent.futures.ThreadPoolExecutor(1) as pool, engine._lock:  # a step that takes long
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, engine.lock:  # a step that takes long
         deleting = pool.submit(
             httpx.delete, f"{url}/v1/sessions/s1", params={"user": "bob"}, headers=GLOBEX, timeout=30
         )
@@ -340,17 +342,17 @@ def test_a_deletion_sent_while_a_worker_is_down_is_applied_when_it_starts(
         with fleet.worker(tiny_llama, redis_server.url) as first:
             fleet.wait_for(lambda: fleet.live_workers(base) == 1, what="the worker's heartbeat")
             assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
-            assert first.engine.tiers is not None
-            first.engine.tiers.tiers.flush()
-            stored = set(first.engine.tiers.tiers.sessions[("default", "alice", "s1")].keys)
+            assert first.engine.offload is not None
+            first.engine.offload.manager.flush()
+            stored = set(first.engine.offload.manager.sessions[("default", "alice", "s1")].keys)
         first.engine.close()
         fleet.wait_for(lambda: fleet.live_workers(base) == 0, what="the worker's heartbeat to lapse")
         deleted = httpx.delete(f"{base}/v1/sessions/s1", params={"user": "alice"}, timeout=30)
         assert deleted.status_code == 202 and deleted.json()["workers"] == 0, deleted.text
         assert all((disk / k.hex()[:2] / f"{k.hex()}.kv").exists() for k in stored)  # nobody applied it yet
         with fleet.worker(tiny_llama, redis_server.url) as second:
-            assert second.engine.tiers is not None
-            tiers = second.engine.tiers.tiers
+            assert second.engine.offload is not None
+            tiers = second.engine.offload.manager
             fleet.wait_for(lambda: not any(key in tiers.disk for key in stored), what="the kept deletion")  # type: ignore[operator]
             assert ("default", "alice", "s1") not in tiers.sessions
             fleet.wait_for(lambda: fleet.live_workers(base) == 1, what="the worker's heartbeat")
@@ -383,7 +385,7 @@ def test_the_gateway_passes_deletions_through_the_tenants_request_limit(tmp_path
 
 def test_the_tenants_file_caps_its_sessions_on_a_server(limited_server: tuple[str, Engine]) -> None:
     url, engine = limited_server
-    assert engine.tiers is not None
+    assert engine.offload is not None
     for i in range(3):
         body = {
             "prompt": f"Chapter {i}. {STORY}",
@@ -393,5 +395,5 @@ def test_the_tenants_file_caps_its_sessions_on_a_server(limited_server: tuple[st
             "session_id": f"s{i}",
         }
         assert httpx.post(f"{url}/v1/completions", json=body, headers=GLOBEX, timeout=60).status_code == 200
-        engine.tiers.tiers.flush()
-    assert set(engine.tiers.tiers.sessions) == {("globex", "bob", "s1"), ("globex", "bob", "s2")}
+        engine.offload.manager.flush()
+    assert set(engine.offload.manager.sessions) == {("globex", "bob", "s1"), ("globex", "bob", "s2")}

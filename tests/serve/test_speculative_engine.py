@@ -18,9 +18,11 @@ from quantize.formats.schemes import FP16, Int4, Int8
 from quantize.model.sources import load_model, load_tokenizer, resolve_model
 from quantize.model.surgery import QuantizedWeight, install
 from quantize.runtime.handlers import handler_for
-from serve.engine import Engine, EngineConfig, RequestOutput
-from serve.request import SamplingParams
+from serve.core.request import SamplingParams
+from serve.engine.config import CacheConfig, SpeculationConfig
+from serve.engine.core import Engine, EngineConfig, RequestOutput
 from serve.speculative.draft import quantized_copy
+from tests.serve.engines import config_from_options
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
@@ -55,7 +57,7 @@ def _engine(stories: tuple[Any, Any], mode: str = "off", k: int = 4, **config: A
     model = _target(source)
     draft = quantized_copy(model, Int4(group_size=32))[0] if mode in ("draft", "auto") else None
     settings = dict(kv_memory="8MB", speculative=mode, speculative_k=k, draft_kv_memory="4MB") | config
-    engine = Engine(model, tokenizer, EngineConfig(**settings), draft=draft)  # type: ignore[arg-type]
+    engine = Engine(model, tokenizer, config_from_options(**settings), draft=draft)
     costs = engine.speculator.policy.costs
     costs.prefill["draft"], costs.smoothing = 0.0, 0.0  # costs fixed: a tiny model drafts on every request
     return engine
@@ -132,18 +134,18 @@ def test_max_tokens_a_stop_sequence_and_eos_inside_a_proposal(stories: tuple[Any
             _same(_generate(_engine(stories, mode, 8), limited), expected)
     # EOS the draft proposes: make "." end every answer
     expected_engine = _engine(stories)
-    expected_engine.eos_ids = {period}
+    expected_engine.output.eos_ids = {period}
     expected = _generate(expected_engine, params)
     assert sum(o.finish_reason == "stop" for o in expected.values()) >= 2
     engine = _engine(stories, "draft", 8)
-    engine.eos_ids = {period}
+    engine.output.eos_ids = {period}
     _same(_generate(engine, params), expected)
 
 
 def _pool_state(engine: Engine) -> None:
     """After every step: each running request holds exactly the blocks of its computed tokens, registered where
     full, and every reference in the pool belongs to one of them."""
-    size = engine.config.block_size
+    size = engine.config.cache.block_size
     held = Counter[int]()
     for request in engine.scheduler.running:
         assert len(request.block_ids) == -(-request.num_computed // size), request.request_id
@@ -249,9 +251,17 @@ def test_no_step_above_the_batch_threshold_speculates(stories: tuple[Any, Any]) 
 def test_speculation_refuses_a_model_the_fused_step_cannot_verify(stories: tuple[Any, Any]) -> None:
     model = _target(stories[0], float16_layer=True)
     with pytest.raises(ValueError, match="fused native step"):
-        Engine(model, stories[1], EngineConfig(kv_memory="8MB", speculative="ngram"))
+        Engine(
+            model,
+            stories[1],
+            EngineConfig(cache=CacheConfig(memory="8MB"), speculation=SpeculationConfig(mode="ngram")),
+        )
     with pytest.raises(ValueError, match="needs a draft model"):
-        Engine(_target(stories[0]), stories[1], EngineConfig(kv_memory="8MB", speculative="draft"))
+        Engine(
+            _target(stories[0]),
+            stories[1],
+            EngineConfig(cache=CacheConfig(memory="8MB"), speculation=SpeculationConfig(mode="draft")),
+        )
 
 
 def test_sampled_tokens_follow_the_targets_distribution(stories: tuple[Any, Any]) -> None:

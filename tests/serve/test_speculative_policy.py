@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from quantize.common.errors import QpackError
-from serve.request import Request, SamplingParams
-from serve.sampler import sample, seeded
+from serve.core.request import Request, SamplingParams
+from serve.core.sampler import sample, seeded
 from serve.speculative import verify
 from serve.speculative.ngram import prompt_lookup
 from serve.speculative.policy import Acceptance, Costs, SpeculationPolicy, best_k, expected_tokens
@@ -79,7 +79,7 @@ def test_rejection_sampling_emits_the_targets_distribution() -> None:
 def test_a_request_that_proposes_nothing_draws_what_the_plain_sampler_draws() -> None:
     params = SamplingParams(max_tokens=8, temperature=0.8, seed=11)
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
-    from serve.sampler import distribution
+    from serve.core.sampler import distribution
 
     for emitted in range(5):
         request = Request("r", [1, 2, 3], params)

@@ -1,4 +1,4 @@
-"""The surge controller in a real server over two variants of one tiny model (int8 and int4 builds): answers say
+"""The surge controller in a real server over two variants of one tiny model (int8 and int4 artifacts): answers say
 which variant computed them, a request may pin one, `/v1/models` and `/metrics` list both, and a burst moves the
 free tier onto the cheaper variant, and sheds it, while the priority tier stays on the accurate one, unrefused."""
 
@@ -16,13 +16,16 @@ from quantize.config import QuantizeConfig
 from quantize.formats.schemes import Int4, Int8
 from quantize.pipeline import quantize_model
 from quantize.sensitivity.settings import SensitivityConfig
-from serve.control.controller import ControlConfig, Knobs
-from serve.engine import EngineConfig
+from serve.control.controller import ControlConfig
+from serve.engine import loop
+from serve.engine.controls import EngineControls
+from serve.engine.protocol import Knobs
 from serve.http import BackgroundServer
 from serve.loading import build_engine, load_for_serving
 from serve.openai import ServerInfo
 from serve.tenancy.tenants import TenantsSource
 from serve.variants import Served, Variants, prioritize
+from tests.serve.engines import config_from_options
 
 TENANTS = """\
 [[tiers]]
@@ -50,7 +53,7 @@ A, B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
 
 
 @pytest.fixture(scope="module")
-def builds(tiny_llama_calibration: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def artifacts(tiny_llama_calibration: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for name, scheme in (("tiny-int8", Int8()), ("tiny-int4", Int4(32))):
         folder = tmp_path_factory.mktemp(name) / "art"
@@ -69,10 +72,10 @@ def builds(tiny_llama_calibration: Path, tmp_path_factory: pytest.TempPathFactor
     return out
 
 
-def variants(builds: dict[str, Path], **engine: object) -> Variants:
-    config = EngineConfig(**{"block_size": 4, "kv_memory": "16MB", "max_model_len": 256, **engine})  # type: ignore[arg-type]
+def variants(artifacts: dict[str, Path], **engine: object) -> Variants:
+    config = config_from_options(**{"block_size": 4, "kv_memory": "16MB", "max_model_len": 256, **engine})
     served = []
-    for path in builds.values():
+    for path in artifacts.values():
         loaded = load_for_serving(str(path))
         served.append(
             Served(loaded.name, loaded.version, loaded.kl, loaded.content_hash, build_engine(loaded, config))
@@ -83,11 +86,11 @@ def variants(builds: dict[str, Path], **engine: object) -> Variants:
 
 
 def test_the_cheaper_variant_gives_way_while_a_top_tier_prompt_waits_on_the_accurate_one(
-    builds: dict[str, Path],
+    artifacts: dict[str, Path],
 ) -> None:
-    from serve.request import Owner, SamplingParams
+    from serve.core.request import Owner, SamplingParams
 
-    held = variants(builds)
+    held = variants(artifacts)
     accurate, cheap = held.primary.engine, held["tiny-int4"].engine
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     done = {name: threading.Event() for name in ("top", "free")}
@@ -97,25 +100,25 @@ def test_the_cheaper_variant_gives_way_while_a_top_tier_prompt_waits_on_the_accu
 
     accurate.add("top", list(range(3, 30)), params, finished("top"), owner=Owner("p", "priority", 0))
     cheap.add("free", list(range(3, 30)), params, finished("free"), owner=Owner("f", "free", 2))
-    assert accurate.top_tier_pending() and not cheap.top_tier_pending()
+    assert EngineControls(accurate).top_tier_pending() and not EngineControls(cheap).top_tier_pending()
     stop = threading.Event()
-    loop = threading.Thread(target=cheap.run, args=(stop,), daemon=True)
-    loop.start()
+    thread = threading.Thread(target=loop.run, args=(cheap, stop), daemon=True)
+    thread.start()
     try:
         time.sleep(0.5)
         assert cheap.stats.steps == 0  # the accurate engine has not stepped: its top-tier prompt still waits
         assert done["free"].wait(30)  # but never for more than a second at a time
         accurate.step()
-        assert not accurate.top_tier_pending()
+        assert not EngineControls(accurate).top_tier_pending()
     finally:
         stop.set()
-        loop.join(timeout=30)
+        thread.join(timeout=30)
 
 
 def test_answers_name_their_variant_and_a_request_may_pin_one(
-    builds: dict[str, Path], tmp_path: Path
+    artifacts: dict[str, Path], tmp_path: Path
 ) -> None:
-    held = variants(builds)
+    held = variants(artifacts)
     assert held.names == ["tiny-int8", "tiny-int4"]  # most accurate (least KL) first
     assert held.primary.kl < held["tiny-int4"].kl
     with BackgroundServer(held, ServerInfo("tiny", "1")) as url:
@@ -147,11 +150,11 @@ def test_answers_name_their_variant_and_a_request_may_pin_one(
 
 
 def test_a_burst_moves_the_free_tier_and_never_the_priority_tier(
-    builds: dict[str, Path], tmp_path: Path
+    artifacts: dict[str, Path], tmp_path: Path
 ) -> None:
     path = tmp_path / "tenants.toml"
     path.write_text(TENANTS)
-    held = variants(builds, max_num_seqs=2, max_num_batched_tokens=64)
+    held = variants(artifacts, max_num_seqs=2, max_num_batched_tokens=64)
     control = ControlConfig(
         tick=0.1, horizon=0.5, latency=Knobs(1, 64, 32), throughput=Knobs(2, 64, 32), dwell=1.0, capacity=5.0
     )

@@ -1,4 +1,4 @@
-"""Tenants on a real server (loopback, tiny model, KV tiers on), tried as a hostile tenant would: another tenant's
+"""Tenants on a real server (loopback, tiny model, KV offload on), tried as a hostile tenant would: another tenant's
 cached prefix, sessions, tier and priority are out of reach; limits answer 429 with OpenAI's headers while other
 tenants go on; the official openai client reads `service_tier`."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve.engine import Engine
+from serve.engine.core import Engine
 from serve.http import BackgroundServer
 from serve.openai import ServerInfo
 from serve.tenancy.tenants import TenantsSource
@@ -90,11 +90,11 @@ def test_a_tenant_deletes_only_its_own_sessions_and_a_foreign_one_looks_absent(s
         user="carol",
         session_id="c1",
     )
-    engine.tiers.tiers.flush()
+    engine.offload.manager.flush()
     foreign = httpx.delete(f"{url}/v1/sessions/c1", params={"user": "carol"}, headers=B)
     foreign_user = httpx.delete(f"{url}/v1/sessions", params={"user": "carol"}, headers=B)
     assert foreign.status_code == 404 and foreign_user.status_code == 404
-    assert ("acme", "carol", "c1") in engine.tiers.tiers.sessions  # untouched
+    assert ("acme", "carol", "c1") in engine.offload.manager.sessions  # untouched
     own = httpx.delete(f"{url}/v1/sessions/c1", params={"user": "carol"}, headers=A)
     assert own.status_code == 200 and own.json()["blocks"] > 0
     again = httpx.delete(f"{url}/v1/sessions/c1", params={"user": "carol"}, headers=A)

@@ -22,12 +22,12 @@ Batch-invariant mode (`batch_invariant=True`, `qpack serve --batch-invariant`): 
 logits depend slightly on how it was computed: a long prefill takes SDPA attention and, for float, bf16 and int4
 layers, dense GEMMs, a decode or short prefill the native kernels, and the two sum in different orders (up to
 5e-3 apart in FP32; int8 layers compute the same exact sums either way). Blocks reused from
-the prefix cache or the KV tiers then differ from the ones a fresh prefill would compute, and a near-tie in
+the prefix cache or the KV offload then differ from the ones a fresh prefill would compute, and a near-tie in
 greedy decoding can go the other way. In this mode every token, prefill or decode, runs through the fused
 native step, `INVARIANT_ROWS` rows a call, each prefill token as a row attending to its own causal prefix in the
 pool, and the LM head through the native kernel, whose per-row sums don't depend on the other rows. A token's KV
 and logits are then a function of the tokens before it alone: reused and recomputed blocks are the same bits, and
-outputs are the same with or without the tiers, whatever the batch. Prefill is slower (row-by-row attention
+outputs are the same with or without the KV offload, whatever the batch. Prefill is slower (row-by-row attention
 instead of SDPA, and float/bf16/int4 layers on the row kernels: a 512-token prompt of the int8 SmolLM2 on a
 2-core AMX Xeon, 0.9-1.2 s against 0.65 s); decode is unchanged.
 """
@@ -44,8 +44,8 @@ from torch import nn
 
 from quantize.runtime.kernels import ops as kernels
 from quantize.runtime.modules import decode_part, fuse_linears
-from serve.kv_cache import KVLayout
-from serve.scheduler import Scheduled
+from serve.core.kv_cache import KVLayout
+from serve.core.scheduler import Scheduled
 
 
 class _Projection:

@@ -13,7 +13,7 @@ import hashlib
 
 import torch
 
-from serve.request import Request, SamplingParams
+from serve.core.request import Request, SamplingParams
 
 
 class RowError(Exception):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Iterator
 
-from serve.request import Request
+from serve.core.request import Request
 
 Lane = tuple[int, str]  # (tier rank, tenant)
 

@@ -1,15 +1,15 @@
-"""Returning conversations: KV blocks written through to host memory (T1) and disk (T2), loaded back on a miss.
+"""Returning conversations: KV blocks written through to a host-memory store and a disk store, loaded back on a miss.
 
 In a chat product most prompts are the whole conversation so far plus one new turn. The pool's prefix cache
-(T0) keeps a conversation's blocks only until they are evicted, seconds under load; after that every turn would
+keeps a conversation's blocks only until they are evicted, seconds under load; after that every turn would
 recompute its whole history. So every full block the engine registers is also offered here: the engine thread
 copies the block out of the pool and puts it on a bounded queue, never waiting (a full queue drops the copy and
-counts it), and a writer thread encodes it (`codec`) into T1 and T2. The queue is bounded in bytes as well as in
-blocks (`queue_bytes`): its copies are memory the host tier's budget does not count, and a 7B model's blocks are
-megabytes each. When a request's prefix misses T0, the engine asks `fetch` for the next keys of its chain:
-consecutive hits from T1, then T2 (a T2 hit is promoted to T1), decoded and checked; the engine copies them into
+counts it), and a writer thread encodes it (`codec`) into the host and disk stores. The queue is bounded in bytes as well as in
+blocks (`queue_bytes`): its copies are memory the host store's budget does not count, and a 7B model's blocks are
+megabytes each. When a request's prefix misses the pool, the engine asks `fetch` for the next keys of its chain:
+consecutive hits from the host store, then the disk store (a disk hit is promoted to the host store), decoded and checked; the engine copies them into
 pool blocks instead of recomputing them. A block that
-fails its checks is counted, deleted from its tier and recomputed.
+fails its checks is counted, deleted from its store and recomputed.
 
 Keys are the pool's own sha256 chain keys, whose root digests the artifact's content hash, the KV dtype, the
 block size and the tenant's salt: a new artifact version never reads an old version's blocks, a restarted
@@ -18,13 +18,13 @@ server with the same artifact reads all of them, and tenants with different salt
 Sessions: a request may name its `user` and a `session_id`, names inside its tenant (the API key's): the blocks
 it registers are recorded under (tenant, user, session) (blocks, bytes, last use) in a bounded index (`sessions`:
 an entry dies with its last stored block, each tenant keeps at most its `max_sessions`, least recently used
-forgotten first). Deleting a session removes its blocks from every tier, except blocks another session also holds
+forgotten first). Deleting a session removes its blocks from every store, except blocks another session also holds
 (a shared system prompt), and its blocks still queued for writing are never written; deleting a user removes all
 of theirs; a deletion only ever sees the caller's tenant's sessions, and costs only theirs. `session_ttl` (or the
 tenant's own) expires idle sessions the same way, on a housekeeping thread that also deletes the blocks of
 sessions over a cap and appends what changed to the tenants' index logs every `save_interval` seconds, so
-neither the engine thread nor a deletion's caller ever writes an index file. The index is kept beside T2's files,
-one directory per engine (`serve.tiers.sessions`), so a restarted server can still honour deletions; blocks
+neither the engine thread nor a deletion's caller ever writes an index file. The index is kept beside the disk store's files,
+one directory per engine (`serve.offload.sessions`), so a restarted server can still honour deletions; blocks
 written after the last save are found again only if they are on disk and their session's log line was written.
 """
 
@@ -41,9 +41,9 @@ from typing import NamedTuple
 
 import torch
 
-from serve.request import SessionName
-from serve.tiers.codec import BlockLayout, CorruptBlock, decode, encode
-from serve.tiers.sessions import (
+from serve.core.request import SessionName
+from serve.offload.codec import BlockLayout, CorruptBlock, decode, encode
+from serve.offload.sessions import (
     DEFAULT_MAX_SESSIONS,
     LEGACY_FILE,
     IndexFiles,
@@ -54,14 +54,14 @@ from serve.tiers.sessions import (
     read_log,
     remove,
 )
-from serve.tiers.stores import DiskStore, HostStore
+from serve.offload.stores import DiskStore, HostStore
 
-_log = logging.getLogger("qpack.serve.tiers")
-__all__ = ["DEFAULT_MAX_SESSIONS", "Session", "TierStats", "TieredKV"]
+_log = logging.getLogger("qpack.serve.offload")
+__all__ = ["DEFAULT_MAX_SESSIONS", "OffloadManager", "OffloadStats", "Session"]
 
 
 @dataclass
-class TierStats:
+class OffloadStats:
     hits: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
     misses: int = 0
     corrupt: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
@@ -81,8 +81,8 @@ class _Write(NamedTuple):
     seq: int  # its place in the queue (deletions bury what was offered before them)
 
 
-class TieredKV:
-    """T1 and T2 behind one write-through queue and one lookup, with the session index and its housekeeping."""
+class OffloadManager:
+    """The host and disk stores behind one write-through queue and one lookup, with the session index and its housekeeping."""
 
     def __init__(
         self,
@@ -101,8 +101,8 @@ class TieredKV:
         self.layout, self.host, self.disk, self.codec = layout, host, disk, codec
         self.session_ttl = session_ttl
         self.save_interval, self.sweep_interval = save_interval, sweep_interval
-        self.stats = TierStats()
-        self.on_event = on_event or (lambda _event, _tier, _value: None)
+        self.stats = OffloadStats()
+        self.on_event = on_event or (lambda _event, _store, _value: None)
         self.index = SessionIndex(max_sessions)
         self._lock = threading.Lock()
         self._offered = 0  # queue positions handed out (the engine thread offers)
@@ -142,7 +142,7 @@ class TieredKV:
         ttl: float | None = None,
         max_sessions: int | None = None,
     ) -> bool:
-        """Queue a copy of a registered block for T1/T2 without waiting; False (counted) when the queue is
+        """Queue a copy of a registered block for the stores without waiting; False (counted) when the queue is
         full. `block` must already be a copy: the pool reuses its slots."""
         self._offered += 1
         try:
@@ -154,7 +154,7 @@ class TieredKV:
         return True
 
     def fetch(self, keys: list[bytes], limit: int | None = None) -> list[torch.Tensor]:
-        """Blocks for the leading keys found in T1 or T2, in order, stopping at the first miss or bad block."""
+        """Blocks for the leading keys found in the host or disk store, in order, stopping at the first miss or bad block."""
         blocks: list[torch.Tensor] = []
         started = time.perf_counter()
         for key in keys[:limit]:
@@ -184,7 +184,7 @@ class TieredKV:
                 store.delete(key)
                 self.stats.corrupt[store.name] += 1
                 self.on_event("corrupt", store.name, 1)
-                _log.warning("KV %s tier: dropped a bad block (%s); it will be recomputed", store.name, exc)
+                _log.warning("KV %s store: dropped a bad block (%s); it will be recomputed", store.name, exc)
                 continue
             self.stats.hits[store.name] += 1
             self.on_event("hit", store.name, 1)
@@ -209,7 +209,7 @@ class TieredKV:
     def forget(
         self, tenant: str, user: str | None = None, session_id: str | None = None, before: float | None = None
     ) -> list[bytes] | None:
-        """Remove a session's (or a user's) blocks from T1 and T2, only ever among `tenant`'s sessions (and only
+        """Remove a session's (or a user's) blocks from the host and disk stores, only ever among `tenant`'s sessions (and only
         sessions last used before `before`, when given); returns the keys removed, or None when the tenant has no
         such session (another tenant's is no different). Blocks another remaining session also holds are kept
         (and not returned); blocks of the session still queued for writing are never written. Costs the
@@ -238,7 +238,7 @@ class TieredKV:
                     store.delete(key)
 
     def _evicted(self, keys: list[bytes]) -> None:
-        """A store let these keys go: those no tier holds any more leave the session index."""
+        """A store let these keys go: those no store holds any more leave the session index."""
         gone = [k for k in keys if not any(s is not None and k in s for s in (self.host, self.disk))]
         if gone:
             with self._lock:
@@ -337,11 +337,11 @@ class TieredKV:
         if self._files is not None:
             self._files.close()
 
-    # ------------------------------------------------------------------ the session index beside T2
+    # ------------------------------------------------------------------ the session index beside the disk store
 
     def _open_files(self) -> IndexFiles | None:
         """This engine's index directory, with what it and engines of its model no longer running left there,
-        and a legacy `sessions.json`; None without T2."""
+        and a legacy `sessions.json`; None without a disk store."""
         disk = self.disk
         if disk is None or not disk.enabled:
             return None

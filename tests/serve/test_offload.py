@@ -1,4 +1,4 @@
-"""KV tiers below the pool: codec integrity, stores, write-through that never blocks, and the engine serving
+"""KV offload below the pool: codec integrity, stores, write-through that never blocks, and the engine serving
 returning conversations from host memory and, after a restart, from disk, with outputs identical to
 recomputing them."""
 
@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from quantize.model.sources import load_model, load_tokenizer, resolve_model
-from serve.block_pool import chain_root, prefix_keys
-from serve.engine import Engine, EngineConfig, write_queue_bytes
-from serve.request import Owner, SamplingParams
-from serve.tiers.codec import BlockLayout, CorruptBlock, _shuffle, _unshuffle, decode, encode, intact
-from serve.tiers.stores import DiskStore, HostStore
-from serve.tiers.tiered import TieredKV
+from serve.core.block_pool import chain_root, prefix_keys
+from serve.core.request import Owner, SamplingParams
+from serve.engine.builder import write_queue_bytes
+from serve.engine.core import Engine
+from serve.offload.codec import BlockLayout, CorruptBlock, _shuffle, _unshuffle, decode, encode, intact
+from serve.offload.manager import OffloadManager
+from serve.offload.stores import DiskStore, HostStore
+from tests.serve.engines import config_from_options
 
 LAYOUT = BlockLayout(b"m" * 32, torch.float32, 4, 2, 2, 8)
 
@@ -109,16 +111,18 @@ def test_host_blocks_of_any_size_round_trip_through_pages_and_reuse_freed_ones()
     assert host.put(b"empty", b"") and host.get(b"empty") == b""
 
 
-def test_a_read_only_disk_disables_the_tier_with_one_warning(tmp_path: Path, caplog, monkeypatch) -> None:
+def test_a_read_only_disk_disables_the_disk_store_with_one_warning(
+    tmp_path: Path, caplog, monkeypatch
+) -> None:
     disk = DiskStore(tmp_path / "t2", capacity=10_000)
 
     def refuse(*_args, **_kwargs):
         raise OSError(30, "Read-only file system")
 
-    monkeypatch.setattr("serve.tiers.stores.tempfile.mkstemp", refuse)
+    monkeypatch.setattr("serve.offload.stores.tempfile.mkstemp", refuse)
     assert not disk.put(b"a" * 32, b"x") and not disk.put(b"b" * 32, b"y")
     assert not disk.enabled and "Read-only" in (disk.disabled_reason or "")
-    assert sum("disk tier disabled" in r.message for r in caplog.records) == 1
+    assert sum("disk store disabled" in r.message for r in caplog.records) == 1
 
 
 class SlowStore(HostStore):
@@ -135,7 +139,7 @@ class SlowStore(HostStore):
 
 def test_a_full_write_queue_drops_and_counts_instead_of_blocking() -> None:
     slow = SlowStore()
-    tiers = TieredKV(LAYOUT, slow, None, queue_size=2)
+    tiers = OffloadManager(LAYOUT, slow, None, queue_size=2)
     results = [tiers.offer(bytes([i]) * 32, _block(i), None) for i in range(10)]
     assert results.count(False) >= 7 and tiers.stats.dropped == results.count(False)  # returned at once
     slow.release.set()
@@ -144,7 +148,7 @@ def test_a_full_write_queue_drops_and_counts_instead_of_blocking() -> None:
 
 def test_the_write_queue_is_bounded_in_bytes() -> None:
     block = LAYOUT.raw_bytes
-    sized = [TieredKV(LAYOUT, HostStore(10**6), None, queue_bytes=n * block) for n in (0, 3, 10**6)]
+    sized = [OffloadManager(LAYOUT, HostStore(10**6), None, queue_bytes=n * block) for n in (0, 3, 10**6)]
     assert [t.queue_capacity for t in sized] == [2, 3, 256]
     for tiers in sized:
         tiers.close()
@@ -153,7 +157,7 @@ def test_the_write_queue_is_bounded_in_bytes() -> None:
 
 def _engine(model_dir: Path, tmp: Path | None, model_hash: str = "v1", **options) -> Engine:
     source = resolve_model(str(model_dir))
-    config = EngineConfig(
+    config = config_from_options(
         block_size=4,
         kv_memory=options.pop("kv_memory", 20 * 4 * 2 * 2 * 2 * 16 * 4),  # 20 blocks of the tiny llama
         max_model_len=80,
@@ -192,13 +196,13 @@ def test_a_returning_conversation_loads_from_host_memory_and_matches_recompute(t
     engine = _engine(tiny_llama, None)
     first, cached = _generate(engine, HISTORY, "turn-1", "s1")
     assert first == expected and cached == 0
-    engine.tiers.tiers.flush()
+    engine.offload.manager.flush()
     for index in range(3):  # other conversations push turn 1's blocks out of the pool
         _generate(engine, [2, *range(100 + 20 * index, 136 + 20 * index)], f"other-{index}")
     assert not engine.pool.lookup(prefix_keys(HISTORY, 4, chain_root(engine.prefix_salt(Owner()))))  # evicted
     again, cached = _generate(engine, HISTORY, "turn-2", "s1")
     assert again == expected  # token-identical to recomputing
-    assert cached >= 32 and engine.tiers.tiers.stats.hits["host"] >= 8
+    assert cached >= 32 and engine.offload.manager.stats.hits["host"] >= 8
     engine.close()
 
 
@@ -210,11 +214,11 @@ def test_after_a_restart_the_disk_tier_serves_and_a_new_version_never_does(
     first.close()
     restarted = _engine(tiny_llama, tmp_path / "t2", kv_host_memory=0)
     again, cached = _generate(restarted, HISTORY, "b", "s1")
-    assert again == expected and cached >= 32 and restarted.tiers.tiers.stats.hits["disk"] >= 8
+    assert again == expected and cached >= 32 and restarted.offload.manager.stats.hits["disk"] >= 8
     restarted.close()
     newer = _engine(tiny_llama, tmp_path / "t2", model_hash="v2", kv_host_memory=0)
     _ids, cached = _generate(newer, HISTORY, "c")
-    assert cached == 0 and newer.tiers.tiers.stats.hits["disk"] == 0
+    assert cached == 0 and newer.offload.manager.stats.hits["disk"] == 0
     newer.close()
 
 
@@ -229,20 +233,20 @@ def test_corrupted_disk_blocks_are_counted_and_recomputed(tiny_llama: Path, tmp_
         path.write_bytes(bytes(data))
     restarted = _engine(tiny_llama, tmp_path / "t2", kv_host_memory=0)
     again, _cached = _generate(restarted, HISTORY, "b")
-    assert again == expected and restarted.tiers.tiers.stats.corrupt["disk"] >= 1
-    assert 'qpack_kv_tier_corrupt_blocks_total{tier="disk"}' in restarted.metrics.render().decode()
+    assert again == expected and restarted.offload.manager.stats.corrupt["disk"] >= 1
+    assert 'qpack_kv_offload_corrupt_blocks_total{store="disk"}' in restarted.metrics.render().decode()
     restarted.close()
 
 
 def test_deleting_a_session_removes_its_blocks_from_every_tier(tiny_llama: Path, tmp_path: Path) -> None:
     engine = _engine(tiny_llama, tmp_path / "t2")
     _generate(engine, HISTORY, "a", "s1")
-    engine.tiers.tiers.flush()
-    stored = len(engine.tiers.tiers.host or [])
+    engine.offload.manager.flush()
+    stored = len(engine.offload.manager.host or [])
     assert stored >= 8 and len(list((tmp_path / "t2").glob("??/*.kv"))) >= 8
     assert engine.forget_sessions("other-tenant", "alice", "s1") is None  # not its session
     removed = engine.forget_sessions("default", "alice", "s1")
-    assert removed == stored and len(engine.tiers.tiers.host or []) == 0
+    assert removed == stored and len(engine.offload.manager.host or []) == 0
     assert not list((tmp_path / "t2").glob("??/*.kv"))
     _ids, cached = _generate(engine, HISTORY, "b")
     assert cached == 0  # not even the pool's prefix cache still serves it
@@ -260,12 +264,12 @@ def test_the_api_records_sessions_and_deletes_them(tiny_llama: Path, tmp_path: P
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "user": "alice", "session_id": "chat-7"}
     with BackgroundServer(engine, ServerInfo(name="tiny", version="1")) as url:
         assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
-        engine.tiers.tiers.flush()
-        assert ("default", "alice", "chat-7") in engine.tiers.tiers.sessions
+        engine.offload.manager.flush()
+        assert ("default", "alice", "chat-7") in engine.offload.manager.sessions
         bad = httpx.post(f"{url}/v1/completions", json={**body, "session_id": ""})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "session_id"
         deleted = httpx.delete(f"{url}/v1/sessions/chat-7", params={"user": "alice"}).json()
-        assert deleted["blocks"] > 0 and ("default", "alice", "chat-7") not in engine.tiers.tiers.sessions
+        assert deleted["blocks"] > 0 and ("default", "alice", "chat-7") not in engine.offload.manager.sessions
         assert httpx.delete(f"{url}/v1/sessions").status_code == 400
         gone = httpx.delete(f"{url}/v1/sessions", params={"user": "alice"})
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
@@ -275,7 +279,7 @@ def test_the_api_records_sessions_and_deletes_them(tiny_llama: Path, tmp_path: P
 def test_sessions_are_per_tenant_and_expire_by_their_tenants_ttl(tmp_path: Path) -> None:
     """Two tenants may both have a user `alice` with a session `s1`: they are two sessions, deleted and expired
     apart, each by its own tenant's TTL (else the server's), and the index on disk keeps them apart too."""
-    tiers = TieredKV(LAYOUT, HostStore(10**6), DiskStore(tmp_path / "t2", 10**6), session_ttl=100.0)
+    tiers = OffloadManager(LAYOUT, HostStore(10**6), DiskStore(tmp_path / "t2", 10**6), session_ttl=100.0)
     tiers.offer(b"a" * 32, _block(1), ("acme", "alice", "s1"), 10.0)
     tiers.offer(b"b" * 32, _block(2), ("globex", "alice", "s1"), None)
     tiers.flush()
@@ -285,7 +289,7 @@ def test_sessions_are_per_tenant_and_expire_by_their_tenants_ttl(tmp_path: Path)
     assert tiers.expire(now + 50) == 1  # acme's 10 s TTL, not the server's 100 s
     assert set(tiers.sessions) == {("globex", "alice", "s1")} and tiers.host.get(b"a" * 32) is None  # type: ignore[union-attr]
     tiers.close()
-    reopened = TieredKV(LAYOUT, None, DiskStore(tmp_path / "t2", 10**6))
+    reopened = OffloadManager(LAYOUT, None, DiskStore(tmp_path / "t2", 10**6))
     assert set(reopened.sessions) == {("globex", "alice", "s1")}
     assert reopened.forget("globex", "alice", None) == [b"b" * 32]
     reopened.close()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serve.block_pool import PrefixKey, chain_root, prefix_keys, rejoin
+from serve.core.block_pool import PrefixKey, chain_root, prefix_keys, rejoin
 
 SessionName = tuple[
     str, str, str
@@ -59,9 +59,9 @@ class Owner:
     session_id: str | None = None
     session_ttl: float | None = None  # the tenant's, when it sets one
     weight: float = (
-        1.0  # the tenant's share of its tier's tokens against the other tenants' (`serve.fair_queue`)
+        1.0  # the tenant's share of its tier's tokens against the other tenants' (`serve.core.fair_queue`)
     )
-    max_sessions: int | None = None  # the tenant's cap on sessions indexed (None: the tiers' default)
+    max_sessions: int | None = None  # the tenant's cap on sessions indexed (None: the KV offload's default)
 
     @property
     def session(self) -> SessionName | None:

@@ -1,14 +1,14 @@
-"""The two stores below the pool: host memory (T1) and a directory on disk (T2), each LRU by size.
+"""The two stores below the pool: host memory and a directory on disk, each LRU by size.
 
 Both hold encoded blocks (`codec`) under their 32-byte chain key and are used from two threads (the engine reads,
-the write-through thread writes), so every operation takes the store's lock. T2 keeps one file per block,
+the write-through thread writes), so every operation takes the store's lock. The disk store keeps one file per block,
 `DIR/ab/<64 hex>.kv`: a block is written to a temp file in the same directory and renamed, so a crash leaves
 either the old file or the new one, never half of one; the LRU order survives a restart through the files'
 modification times (a hit touches its file). One file per block rather than an embedded database: blocks are
 written once and read whole, deletes (session privacy requests, eviction) are single unlinks, and a corrupted
-file costs one block, never the store. A disk that fills up or turns read-only disables T2 with one warning;
-serving goes on with T0 and T1. Each store says which keys left it (evicted, deleted, found unreadable) through
-`on_evict`, after releasing its lock: the session index forgets blocks no tier holds any more.
+file costs one block, never the store. A disk that fills up or turns read-only disables the disk store with one warning;
+serving goes on with the pool and the host store. Each store says which keys left it (evicted, deleted, found unreadable) through
+`on_evict`, after releasing its lock: the session index forgets blocks no store holds any more.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-_log = logging.getLogger("qpack.serve.tiers")
+_log = logging.getLogger("qpack.serve.offload")
 
 Evicted = Callable[[list[bytes]], None]  # told, after the store's lock is released, which keys left it
 
@@ -34,15 +34,15 @@ def _ignore(_keys: list[bytes]) -> None:
 
 
 class HostStore:
-    """T1: encoded blocks in one anonymous memory map of `capacity` bytes, cut into `page_size` pages; least
+    """The host store: encoded blocks in one anonymous memory map of `capacity` bytes, cut into `page_size` pages; least
     recently used evicted first.
 
     Why not a dict of `bytes`: blocks are ~0.1-2 MB, above malloc's dynamic mmap threshold once a few have been
     freed, so they land on the heap. Evicting old blocks in LRU order while the writer thread allocates its
-    transient buffers leaves holes the allocator cannot give back, and a 2 GB T1 filled with 10,000 sessions
+    transient buffers leaves holes the allocator cannot give back, and a 2 GB host store filled with 10,000 sessions
     measured 3.5 GB of RSS growth (`benchmarks/sessions.py`). Pages of one fixed map never move: the process
-    holds at most `capacity` bytes for T1 however the blocks come and go (pages are touched on first use, so a
-    T1 that never fills never costs its full size). An entry is a list of page numbers; the unused tail of its
+    holds at most `capacity` bytes for the host store however the blocks come and go (pages are touched on first use, so a
+    host store that never fills never costs its full size). An entry is a list of page numbers; the unused tail of its
     last page (half a page per block on average: ~2.5% of a 318 KB block at 16 KiB pages) is the only waste.
     """
 
@@ -118,7 +118,7 @@ class HostStore:
 
 
 class DiskStore:
-    """T2: one file per block under `folder`, least recently used evicted first, at most `capacity` bytes."""
+    """The disk store: one file per block under `folder`, least recently used evicted first, at most `capacity` bytes."""
 
     name = "disk"
 
@@ -174,7 +174,7 @@ class DiskStore:
 
     def _disable(self, reason: str) -> None:
         if self.enabled:
-            _log.warning("KV disk tier disabled: %s; serving goes on from memory", reason)
+            _log.warning("KV disk store disabled: %s; serving goes on from memory", reason)
         self.enabled, self.disabled_reason = False, reason
 
     def get(self, key: bytes) -> bytes | None:

@@ -6,7 +6,7 @@ Every step the scheduler builds one batch under a token budget:
 2. Then prompt chunks, by tier: the running requests still in prefill get their next chunk (chunked prefill:
    a long prompt is spread over several steps), and waiting requests are admitted in order of tier (its
    tenant's, from the API key), then, between the tenants of a tier, the one that has had the fewest tokens
-   for its weight (`serve.fair_queue`), then the request's own `priority` among its tenant's requests (lower
+   for its weight (`serve.core.fair_queue`), then the request's own `priority` among its tenant's requests (lower
    first), then arrival, while the budget and `max_num_seqs` allow, after reusing any cached prefix blocks; a
    waiting request of a higher tier (or of a peer tenant further behind its share) takes its chunk before a
    running one, so a top-tier prompt is never left for the next step behind the chunks of lower tiers' prompts.
@@ -27,41 +27,25 @@ The waiting queue is bounded (`max_queue`); `add` returns False when it is full,
 leaves the queue instead (`shed`, answered 429 too), so a higher tier is never refused while a lower one waits;
 and a tenant under its share of its tier's places displaces the last request of the peer furthest over its own,
 so one tenant's backlog never turns another's requests into 429s.
-The knobs a controller turns between steps are all in `SchedulerConfig`: the batch cap, the step's token budget,
-the prompt tokens one request may prefill per step (`prefill_chunk`), how far a top-tier prompt may take a step
-(`top_tier_tokens`), and how long an arriving request may be held so that it is batched with later ones
-(`admission_wait`, the static batching-window rules). The scheduler never touches tensors: where a prefix misses
-the pool's cache, the engine's `fetch` callback may supply the next blocks of the chain from the lower tiers
-(already filled and registered), and `on_register` tells the engine about every block it registers, so it can
-write it through.
+The knobs a controller turns between steps are `StepLimits` (`serve.core.config`, the one place they are
+declared): the batch cap, the step's token budget, the prompt tokens one request may prefill per step
+(`prefill_chunk`), how far a top-tier prompt may take a step (`top_tier_tokens`), and how long an arriving request
+may be held so that it is batched with later ones (`admission_wait`, the static batching-window rules). The
+scheduler decides who runs and never touches tensors; which blocks each request holds, and where a prefix's blocks
+come from (the pool's cache, the KV offload), is the KV cache manager's business (`serve.core.kv_cache_manager`).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from serve.block_pool import BlockPool, PrefixKey
-from serve.fair_queue import FairQueue, Lane, lane
-from serve.request import Request, Status
-
-# fetch(request, keys) -> block ids holding the KV of the leading keys (fresh, ref 1, registered); may be shorter
-Fetch = Callable[[Request, list[PrefixKey]], list[int]]
-OnRegister = Callable[[Request, int, PrefixKey], None]
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    block_size: int = 8
-    max_num_batched_tokens: int = 1024
-    max_num_seqs: int = 32
-    max_queue: int = 256
-    max_model_len: int = 2048
-    prefill_chunk: int | None = None  # prompt tokens one request prefills per step (None: the budget)
-    admission_wait: float = 0.0  # seconds a waiting head may be held for a fuller batch
-    top_tier_tokens: int = 0  # how many tokens a step with a top-tier prompt may reach (0: the budget)
+from serve.core.block_pool import BlockPool
+from serve.core.config import SchedulerConfig
+from serve.core.fair_queue import FairQueue, Lane, lane
+from serve.core.kv_cache_manager import KVCacheManager
+from serve.core.request import Request, Status
 
 
 @dataclass
@@ -93,19 +77,19 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        pool: BlockPool,
-        fetch: Fetch | None = None,
-        on_register: OnRegister | None = None,
+        kv: KVCacheManager,
     ) -> None:
         self.config = config
-        self.pool = pool
-        self.fetch = fetch
-        self.on_register = on_register
+        self.kv = kv
         self.waiting = FairQueue()
         self.running: list[Request] = []
         self.shed: list[Request] = []  # left the queue for a higher tier's request; the engine answers them
         self._arrivals = 0
         self.num_preemptions = 0
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.kv.pool
 
     @property
     def num_waiting(self) -> int:
@@ -154,29 +138,9 @@ class Scheduler:
             return None
         return queue.last(over)
 
-    def _blocks_needed(self, request: Request, tokens: int) -> int:
-        return -(-tokens // self.config.block_size) - len(request.block_ids)
-
-    def _grow(self, request: Request, tokens: int) -> bool:
-        need = self._blocks_needed(request, tokens)
-        if need <= 0:
-            return True
-        blocks = self.pool.allocate(need)
-        if blocks is None:
-            return False
-        request.block_ids.extend(blocks)
-        return True
-
-    def _release(self, request: Request) -> None:
-        if request.block_ids:
-            self.pool.free(request.block_ids)
-        request.block_ids = []
-        request.num_computed = 0
-        request.num_registered = 0
-
     def preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self._release(request)
+        self.kv.release(request)
         request.status = Status.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -188,7 +152,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is Status.WAITING:
             self.waiting.remove(request)
-        self._release(request)
+        self.kv.release(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
 
@@ -211,7 +175,7 @@ class Scheduler:
             assert head is not None
             chunk = self._chunk(head, self.config.max_num_batched_tokens)
             full = len(self.running) >= self.config.max_num_seqs
-            if not full and self.pool.num_free >= -(-chunk // self.config.block_size):
+            if not full and self.kv.can_hold(chunk):
                 return
             victim = self._victim(set())
             if victim is not None and victim.tier_rank <= head.tier_rank:
@@ -308,7 +272,7 @@ class Scheduler:
         if request not in self.running:  # preempted earlier in this step
             return 0
         num_new = self._chunk(request, budget, whole)
-        while not self._grow(request, request.num_computed + num_new):
+        while not self.kv.grow(request, request.num_computed + num_new):
             victim = self._victim(scheduled_ids)
             if victim is None or victim.tier_rank < request.tier_rank:
                 victim = request
@@ -331,20 +295,10 @@ class Scheduler:
     ) -> int | None:
         """Seat the waiting head, after reusing its cached (or fetched) prefix blocks, with its first chunk; the
         tokens it takes, or None when the pool cannot hold that chunk (admission stops for this step)."""
-        tokens = request.all_ids
-        cacheable = (len(tokens) - 1) // self.config.block_size
-        keys = request.keys(self.config.block_size)[:cacheable]
-        hits = self.pool.lookup(keys)
-        self.pool.share(hits)
-        loaded = (
-            self.fetch(request, keys[len(hits) :]) if self.fetch is not None and len(hits) < len(keys) else []
-        )
-        request.block_ids = [*hits, *loaded]
-        request.num_computed = len(request.block_ids) * self.config.block_size
-        request.num_registered = len(request.block_ids)
+        self.kv.take_cached_prefix(request)
         num_new = self._chunk(request, budget, whole)
-        if not self._grow(request, request.num_computed + num_new):
-            self._release(request)
+        if not self.kv.grow(request, request.num_computed + num_new):
+            self.kv.release(request)
             return None
         self.waiting.remove(request, seated=True)
         if request.output_ids == [] and request.num_preemptions == 0:
@@ -363,48 +317,4 @@ class Scheduler:
             if request.finished:
                 continue
             request.num_computed = item.start + item.num_new
-            self._register_full(request)
-
-    def _register_full(self, request: Request) -> None:
-        """Register the request's blocks that its computed tokens fill (and tell `on_register`)."""
-        size = self.config.block_size
-        full = request.num_computed // size
-        if full > request.num_registered:
-            keys = request.keys(size)
-            for index in range(request.num_registered, full):
-                self.pool.register(request.block_ids[index], keys[index])
-                if self.on_register is not None:
-                    self.on_register(request, request.block_ids[index], keys[index])
-            request.num_registered = full
-
-    def reserve(self, request: Request, tokens: int) -> bool:
-        """Blocks for the first `tokens` positions of a running request (speculative rows beyond its tokens);
-        False, taking nothing, when the pool is short: speculation never preempts."""
-        return request.status is Status.RUNNING and self._grow(request, tokens)
-
-    def settle(self, request: Request, num_computed: int, trim: bool = True) -> None:
-        """After a verifying step: the KV of the first `num_computed` tokens is the request's. Full blocks are
-        registered (as a plain decode registers them before sampling its next token) and, with `trim`, blocks held
-        past them (rejected proposals) are freed, leaving the pool as if only the accepted tokens had been
-        computed. Nothing is registered (so nothing written through to the tiers) beyond them."""
-        if request.finished:
-            return
-        assert num_computed <= request.num_tokens, "only tokens the request has can be settled"
-        if trim:
-            keep = -(-num_computed // self.config.block_size)
-            surplus = request.block_ids[keep:]
-            if surplus:
-                self.pool.free(surplus)
-                del request.block_ids[keep:]
-        request.num_computed = num_computed
-        self._register_full(request)
-
-    def kv_waste(self) -> tuple[int, int]:
-        """(slots held by running requests, of which unused): only a request's last block can be partly empty,
-        since shared prefix blocks are full by construction."""
-        size = self.config.block_size
-        held = {b for s in self.running for b in s.block_ids}
-        unused = sum(
-            len(s.block_ids) * size - min(s.num_tokens, len(s.block_ids) * size) for s in self.running
-        )
-        return len(held) * size, unused
+            self.kv.register_full(request)

@@ -1,10 +1,10 @@
-"""The engine's side of the tiers: where pool blocks meet stored blocks.
+"""The engine's side of the KV offload: where pool blocks meet stored blocks.
 
 `fetch` (the scheduler's callback, engine thread, under the engine lock) loads the next blocks of a prefix chain
 that missed the pool into fresh pool blocks, registers them, and hands back their ids; `on_register` (also the
 scheduler's) copies each newly registered block out of the pool for write-through. Loading is used only while it
 is cheaper than recomputing: the adapter keeps running averages of the seconds one stored block takes to load
-and of the seconds one prompt token takes to prefill (reported by the engine), and skips the tiers when a block's
+and of the seconds one prompt token takes to prefill (reported by the engine), and skips the offload when a block's
 tokens would recompute faster than it loads.
 """
 
@@ -15,10 +15,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from serve.block_pool import BlockPool, PrefixKey
-from serve.request import Request
-from serve.runner import ModelRunner
-from serve.tiers.tiered import TieredKV
+from serve.core.block_pool import BlockPool, PrefixKey
+from serve.core.request import Request
+from serve.core.runner import ModelRunner
+from serve.offload.manager import OffloadManager
 
 
 @dataclass
@@ -30,9 +30,11 @@ class Ewma:
         self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
 
 
-class TierAdapter:
-    def __init__(self, tiers: TieredKV, pool: BlockPool, runner: ModelRunner, block_size: int) -> None:
-        self.tiers, self.pool, self.runner, self.block_size = tiers, pool, runner, block_size
+class OffloadAdapter:
+    def __init__(
+        self, manager: OffloadManager, pool: BlockPool, runner: ModelRunner, block_size: int
+    ) -> None:
+        self.manager, self.pool, self.runner, self.block_size = manager, pool, runner, block_size
         self.load_per_block = Ewma()
         self.prefill_per_token = Ewma()
         self.skipped = 0
@@ -48,9 +50,9 @@ class TierAdapter:
         if not self.worth_loading():
             self.skipped += 1
             return []
-        self.tiers.touch(request.session, request.owner.session_ttl, request.owner.max_sessions)
+        self.manager.touch(request.session, request.owner.session_ttl, request.owner.max_sessions)
         started = time.perf_counter()
-        blocks = self.tiers.fetch(keys, limit=self.pool.num_free)
+        blocks = self.manager.fetch(keys, limit=self.pool.num_free)
         if not blocks:
             return []
         self.load_per_block.add((time.perf_counter() - started) / len(blocks))
@@ -63,7 +65,7 @@ class TierAdapter:
     def on_register(self, request: Request, block_id: int, key: PrefixKey) -> None:
         block = self.runner.read_block(block_id).cpu()  # a host copy on CUDA
         owner = request.owner
-        self.tiers.offer(key, block, request.session, owner.session_ttl, owner.max_sessions)
+        self.manager.offer(key, block, request.session, owner.session_ttl, owner.max_sessions)
 
     def forget(
         self,
@@ -73,9 +75,9 @@ class TierAdapter:
         pool_lock: AbstractContextManager[Any],
         before: float | None = None,
     ) -> int | None:
-        """Remove a tenant's session's (or user's) blocks from every tier, the pool's prefix cache included; None
+        """Remove a tenant's session's (or user's) blocks from every store, the pool's prefix cache included; None
         when the tenant has no such session. Only the pool's part runs under `pool_lock` (the engine's)."""
-        keys = self.tiers.forget(tenant, user, session_id, before)
+        keys = self.manager.forget(tenant, user, session_id, before)
         if keys is None:
             return None
         with pool_lock:

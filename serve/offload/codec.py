@@ -1,4 +1,4 @@
-"""One KV block as bytes for the host-memory and disk tiers: a self-describing header, then the compressed
+"""One KV block as bytes for the host-memory and disk stores: a self-describing header, then the compressed
 K and V of every layer for the block's tokens.
 
 A stored block must never be served to the wrong model, dtype or layout, nor be served damaged: the header
@@ -122,7 +122,7 @@ def decode(layout: BlockLayout, key: bytes, data: bytes) -> torch.Tensor:
 
 
 def intact(data: bytes) -> bool:
-    """The stored bytes are whole and match their checksum (no layout checks: a scrub of a tier's files)."""
+    """The stored bytes are whole and match their checksum (no layout checks: a scrub of the disk store's files)."""
     if len(data) < _HEADER.size or data[:4] != MAGIC:
         return False
     fields = _HEADER.unpack_from(data)
@@ -145,7 +145,7 @@ def _payload(data: bytes, payload_bytes: int, checksum: bytes) -> bytes:
 
 def _shuffle(raw: torch.Tensor, width: int) -> bytes:
     """Bytes regrouped by significance: all first bytes of the elements, then all second bytes, ...
-    (numpy's strided copy: ~10x torch's on a 368 KB block, which sits on every tier load's path)."""
+    (numpy's strided copy: ~10x torch's on a 368 KB block, which sits on every offload load's path)."""
     return raw.numpy().reshape(-1, width).T.copy().tobytes()
 
 

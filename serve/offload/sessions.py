@@ -11,7 +11,7 @@ tenant sends, nor may one tenant's sessions slow another's deletions. Hence:
 - tombstones: a deletion records the write-through queue's position, so blocks of that session queued before it
   are never written (`dropped`).
 
-The index lives in memory and beside T2 on disk (`IndexFiles`): one directory per engine (its model's namespace
+The index lives in memory and beside the disk store (`IndexFiles`): one directory per engine (its model's namespace
 and a slot number held with an exclusive `flock` while the engine runs), per tenant a JSON file written whole
 (atomically) and a log of changes since (a line per block recorded, a line per session forgotten), appended by
 a background thread: a deletion costs a line, and a tenant's file is written whole again only once its log
@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from quantize.common.fileio import write_bytes
-from serve.request import SessionName
+from serve.core.request import SessionName
 
-_log = logging.getLogger("qpack.serve.tiers")
+_log = logging.getLogger("qpack.serve.offload")
 LEGACY_FILE = (
     "sessions.json"  # the one index file of earlier versions, shared (and clobbered) by every engine
 )
@@ -81,7 +81,7 @@ class _Tombstone:
 
 
 class SessionIndex:
-    """The index itself. Not thread-safe: `TieredKV` calls it under its lock."""
+    """The index itself. Not thread-safe: `OffloadManager` calls it under its lock."""
 
     def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
         self.max_sessions = max_sessions

@@ -1,0 +1,1 @@
+"""KV offload below the paged pool: a host-memory store and a disk store, for returning conversations."""

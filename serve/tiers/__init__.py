@@ -1,1 +1,0 @@
-"""Tiers below the paged KV pool: host memory and disk, for returning conversations."""
