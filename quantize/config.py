@@ -22,6 +22,7 @@ from quantize.formats.schemes import FP32, Int4, Scheme
 from quantize.io.exports import CompressedTensors
 from quantize.planning.plan import Plan, PlanRules
 from quantize.planning.presets import PRESETS, Preset
+from quantize.rotation import ROTATIONS
 from quantize.sensitivity.settings import SensitivityConfig
 
 
@@ -60,6 +61,10 @@ class QuantizeConfig:
     """Held-out tokens the artifact is measured on against FP32 (KL, top-1, perplexity)."""
     distill: Distill | None = None
     """After quantizing: train the int4/int8 scales against the FP32 model's next-token distributions."""
+    rotate: str = "none"
+    """Rotate the residual stream before quantizing (none, hadamard: a randomized Hadamard rotation, absorbed into
+    the weights, with a per-head one on v/o): spreads outlier channels over every group; the FP32 model computes
+    the same. A tied LM head is stored untied (the final norm's scale is folded into it)."""
     export: CompressedTensors | None = None
     """Also write the artifact in another format: compressed-tensors (for transformers and vLLM)."""
     overwrite: bool = False
@@ -95,6 +100,7 @@ class QuantizeConfig:
         )
         problems.check(self.eval_tokens >= 16, "eval_tokens", f"must be at least 16 (got {self.eval_tokens})")
         problems.check(bool(self.version.strip()), "version", "must not be empty")
+        problems.check_choice(self.rotate, "rotate", ROTATIONS)
         problems.raise_if_any(self)
 
     def _check_budget(self, problems: Problems) -> None:

@@ -8,6 +8,8 @@ write the artifact atomically."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,12 +33,13 @@ from quantize.io.artifact import (
     artifact_writer,
     finish_artifact,
 )
-from quantize.io.calibration import CalibrationData
+from quantize.io.calibration import CalibrationData, ChannelStats
 from quantize.model.sources import ModelSource, load_model, resolve_model, weights_sha256
 from quantize.model.surgery import kept_module_names
 from quantize.planning.build import build_plan
 from quantize.planning.plan import Plan
 from quantize.quality import compare_hidden, eval_packs
+from quantize.rotation.absorb import Rotation, rotate_model, rotation_for
 from quantize.runtime.kernels import ops as kernels
 from quantize.sensitivity.table import SensitivityTable
 from quantize.sequential.apply import apply_plan
@@ -65,10 +68,32 @@ class _Inputs:
     source: ModelSource
     weights_sha: str
     streamed: StreamedModel
+    rotation: Rotation | None = None
 
     @property
     def model(self) -> nn.Module:
         return self.streamed.model
+
+    @property
+    def weights_identity(self) -> str:
+        """What the weights every pass sees depend on: the checkpoint, and the rotation (sensitivity is cached
+        under it, so a rotated run never reuses an unrotated run's measurements)."""
+        if self.rotation is None:
+            return self.weights_sha
+        spec = json.dumps(self.rotation.to_json(), sort_keys=True)
+        return hashlib.sha256(f"{self.weights_sha}|rotation={spec}".encode()).hexdigest()
+
+    def load_whole(self) -> nn.Module:
+        """The model in memory (for the passes that need it whole), rotated as the streamed one is."""
+        model = load_model(self.source)
+        if self.rotation is not None:
+            rotate_model(model, self.rotation)
+        return model
+
+    def channel_stats(self) -> dict[str, ChannelStats]:
+        """The calibration's activation statistics, in the basis the weights are in: none with a rotation (AWQ and
+        SmoothQuant then take them from the rotated inputs' Hessians in the pass)."""
+        return {} if self.rotation is not None else self.calibration.stats
 
 
 def _load_inputs(config: QuantizeConfig, progress: Progress, timings: dict[str, float]) -> _Inputs:
@@ -81,10 +106,26 @@ def _load_inputs(config: QuantizeConfig, progress: Progress, timings: dict[str, 
     _check_calibration_matches(source, calibration, weights_sha)
     torch.manual_seed(config.seed)
     phase = time.perf_counter()
-    streamed = StreamedModel(source.path)
+    rotation = _rotation(config, source)
+    streamed = StreamedModel(source.path, rotation=rotation)
     check_memory(streamed, config.calib_tokens + 2 * config.eval_tokens, config.max_memory)
     timings["load"] = time.perf_counter() - phase
-    return _Inputs(output, calibration, source, weights_sha, streamed)
+    return _Inputs(output, calibration, source, weights_sha, streamed, rotation)
+
+
+def _rotation(config: QuantizeConfig, source: ModelSource) -> Rotation | None:
+    """The rotation `--rotate` asks for, or a clear refusal for a model it cannot be absorbed into."""
+    if config.rotate == "none":
+        return None
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(str(source.path))
+    try:
+        return rotation_for(model_config, config.rotate, config.seed)
+    except ValueError as exc:
+        raise QpackError(
+            f"--rotate {config.rotate} cannot be applied to {source.model_id}: {exc}; quantize it without --rotate"
+        ) from None
 
 
 def _quantize_and_measure(
@@ -108,7 +149,7 @@ def _quantize_and_measure(
     result = apply_plan(
         runner,
         plan,
-        inputs.calibration.stats,
+        inputs.channel_stats(),
         calibration,
         writer,
         packs,
@@ -182,6 +223,7 @@ def _manifest(
             "overrides": config.rules().to_json(),
             "algorithm": config.algorithm.to_json(),
             "calib_tokens": config.calib_tokens,
+            "rotation": _rotation_json(inputs),
             "module_info": module_info,
             "warnings": warnings,
         },
@@ -206,6 +248,18 @@ def _manifest(
     }
 
 
+def _rotation_json(inputs: _Inputs) -> dict[str, Any] | None:
+    """The manifest's record of the rotation: kind, seed, the Hadamard sizes, and a head untied by it."""
+    if inputs.rotation is None:
+        return None
+    record = inputs.rotation.to_json()
+    if inputs.streamed.source_tied:
+        config: Any = inputs.model.config
+        record["untied_head"] = True
+        record["untied_head_bytes"] = int(config.vocab_size) * int(config.hidden_size) * 4
+    return record
+
+
 def quantize_model(
     config: QuantizeConfig,
     progress: Progress = NULL_PROGRESS,
@@ -225,10 +279,10 @@ def quantize_model(
         config,
         inputs.model,
         inputs.calibration,
-        inputs.weights_sha,
+        inputs.weights_identity,
         progress,
         warnings,
-        lambda: load_model(inputs.source),
+        inputs.load_whole,
         inputs.streamed,
     )
     timings["plan"] = time.perf_counter() - phase

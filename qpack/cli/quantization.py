@@ -184,6 +184,7 @@ QUANTIZE = Options(
         Option("sensitivity.num_tokens", ("--sensitivity-tokens",)),
         "calib_tokens",
         "eval_tokens",
+        "rotate",
         Option(
             "export",
             ("--export",),

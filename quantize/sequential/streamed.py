@@ -5,7 +5,8 @@ quality) walks the decoder blocks in order and needs one block's weights at a ti
 model (an 8B model is 32 GB in FP32 before anything runs), the module tree is built on the `meta` device from
 config.json, the parts every pass needs (embeddings, final norm, LM head: FP32 by the product's rule) are read
 once, and `block(i)` reads block i from the checkpoint's shards, upcast to FP32 only while it is in use, and
-drops it after. Peak memory is then embeddings + head + the blocks in use (two at most in any qpack pass) + the
+drops it after. With a `rotation` (`--rotate`), each part is rotated as it is read, so every pass sees the
+rotated model without it ever being whole in memory. Peak memory is then embeddings + head + the blocks in use (two at most in any qpack pass) + the
 pass's activations, independent of depth. `peak_blocks` counts what was materialized at once, so tests can
 assert the bound by counting rather than timing.
 """
@@ -25,6 +26,7 @@ from torch import nn
 from quantize.common.errors import QpackError
 from quantize.common.memory import available_memory
 from quantize.io.checkpoint import Checkpoint
+from quantize.rotation.absorb import Rotation, rotate_block, rotate_outside
 
 _BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -32,7 +34,9 @@ _BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
 class StreamedModel:
     """`model`: the full module tree, blocks on `meta` until `block(i)` materializes them."""
 
-    def __init__(self, folder: Path, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, folder: Path, device: str | torch.device = "cpu", rotation: Rotation | None = None
+    ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from quantize.model.sources import quiet_transformers
@@ -45,6 +49,8 @@ class StreamedModel:
         with torch.device("meta"):
             self.model: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         self.model.eval()
+        self.rotation = rotation
+        self.source_tied = bool(getattr(config, "tie_word_embeddings", False))
         self.layers: nn.ModuleList = self.model.model.layers
         self._templates = [copy.deepcopy(layer) for layer in self.layers]
         self._users = [0] * len(self.layers)
@@ -67,7 +73,8 @@ class StreamedModel:
         return sum(1 for users in self._users if users)
 
     def _tied(self) -> bool:
-        return bool(getattr(self.config, "tie_word_embeddings", False))
+        """Whether the checkpoint stores the head as the embedding (once)."""
+        return self.source_tied
 
     def _check_names(self) -> None:
         """Strict: the checkpoint holds exactly the tensors the architecture has (a tied head stored once)."""
@@ -103,6 +110,8 @@ class StreamedModel:
         base = self.model.model
         if self._tied():
             self.model.lm_head.weight = base.embed_tokens.weight
+        if self.rotation is not None:
+            rotate_outside(self.model, self.rotation)
         base.rotary_emb = type(base.rotary_emb)(config=self.config).to(self.device)
 
     def release_outside(self) -> None:
@@ -170,6 +179,8 @@ class StreamedModel:
         prefix = f"model.layers.{index}."
         for name in self.checkpoint.names(prefix):
             self._assign(layer, name[len(prefix) :], self.checkpoint.read(name, torch.float32))
+        if self.rotation is not None:
+            rotate_block(layer, self.rotation)
         self.layers[index] = layer
         self.loads += 1
         self.peak_blocks = max(self.peak_blocks, self.materialized + 1)
