@@ -8,8 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from serve.engine.config import CacheConfig
-from serve.engine.core import EngineConfig
+from serve.engine.config import CacheConfig, EngineConfig
 from serve.http import BackgroundServer
 from serve.loading import build_engine, describe, load_for_serving
 from serve.openai import ServerInfo

@@ -626,7 +626,8 @@ def _deletes_server(model: Path, out: Path) -> tuple[Any, Any]:
     """An engine with T1 and T2 under `out` and its API with DELETE_TENANTS tenants (keys `key-0`...), plus a
     route that starts the event-loop ticker."""
     from quantize.model.sources import load_model, load_tokenizer, resolve_model
-    from serve.engine.core import Engine, EngineConfig
+    from serve.engine.config import EngineConfig
+    from serve.engine.core import Engine
     from serve.openai import ServerInfo
     from serve.server import create_app
     from serve.tenancy.tenants import TenantsSource

@@ -271,7 +271,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from quantize.runtime.kernels import ops as kernels
-    from serve.engine.core import EngineConfig
+    from serve.engine.config import EngineConfig
     from serve.loading import build_engine, load_draft, load_for_serving
 
     out = Path(args.out)

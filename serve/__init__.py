@@ -11,8 +11,11 @@ from typing import TYPE_CHECKING
 from quantize.common.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from serve.core.config import SchedulerConfig
     from serve.core.request import SamplingParams
-    from serve.engine.core import Engine, EngineConfig, RequestOutput
+    from serve.engine.config import CacheConfig, EngineConfig, OffloadConfig, SpeculationConfig
+    from serve.engine.core import Engine
+    from serve.engine.output import RequestOutput
     from serve.http import BackgroundServer
     from serve.launch import run_server
     from serve.loading import build_engine, load_for_serving
@@ -22,8 +25,12 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "Engine": "serve.engine.core",
-    "EngineConfig": "serve.engine.core",
-    "RequestOutput": "serve.engine.core",
+    "EngineConfig": "serve.engine.config",
+    "SchedulerConfig": "serve.core.config",
+    "CacheConfig": "serve.engine.config",
+    "OffloadConfig": "serve.engine.config",
+    "SpeculationConfig": "serve.engine.config",
+    "RequestOutput": "serve.engine.output",
     "SamplingParams": "serve.core.request",
     "ServeOptions": "serve.options",
     "run_server": "serve.launch",
@@ -35,12 +42,16 @@ _EXPORTS = {
 }
 __all__ = [
     "BackgroundServer",
+    "CacheConfig",
     "Engine",
     "EngineConfig",
+    "OffloadConfig",
     "RequestOutput",
     "SamplingParams",
+    "SchedulerConfig",
     "ServeOptions",
     "ServerInfo",
+    "SpeculationConfig",
     "build_engine",
     "create_app",
     "load_for_serving",

@@ -112,7 +112,7 @@ class _Artifact:
         draft: str | None = None,
     ) -> None:
         from serve.core.kv_cache import KVLayout
-        from serve.engine.core import EngineConfig
+        from serve.engine.config import EngineConfig
         from serve.loading import build_engine, load_draft, load_for_serving
 
         loaded = load_for_serving(path)  # as `qpack serve` loads it

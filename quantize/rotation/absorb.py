@@ -49,18 +49,22 @@ class Rotation:
     def per_head(self) -> torch.Tensor:
         return random_hadamard(self.head_dim, self.seed + 1)
 
-    def rotate(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows @ Q (float64), Q = diag(signs) H / √hidden, by the fast transform, a block of rows at a time."""
-        out = torch.empty(rows.shape, dtype=torch.float64)
+    def rotate(
+        self, rows: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """rows diag(scale) Q in `dtype`, Q = diag(signs) H / √hidden: computed in float64 by the fast transform, a
+        block of rows at a time, so no float64 copy of a whole matrix is ever held."""
+        out = torch.empty(rows.shape, dtype=dtype)
+        signs = self.signs if scale is None else self.signs * scale.to(torch.float64)
         for start in range(0, rows.shape[0], _ROWS):
-            block = rows[start : start + _ROWS].to(torch.float64) * self.signs
+            block = rows[start : start + _ROWS].to(torch.float64) * signs
             out[start : start + _ROWS] = hadamard_rows(block) / self.hidden**0.5
         return out
 
     @property
     def residual(self) -> torch.Tensor:
-        """Q itself, [hidden, hidden] (for tests and small models)."""
-        return self.rotate(torch.eye(self.hidden, dtype=torch.float64))
+        """Q itself, [hidden, hidden] float64 (for tests and small models)."""
+        return self.rotate(torch.eye(self.hidden, dtype=torch.float64), dtype=torch.float64)
 
     def to_json(self) -> dict[str, Any]:
         residual, head = hadamard_order(self.hidden), hadamard_order(self.head_dim)
@@ -110,10 +114,7 @@ def _set(module: Any, name: str, value: torch.Tensor) -> None:
 
 def _input_side(linear: Any, rotation: Rotation, scale: torch.Tensor | None = None) -> None:
     """W ← W diag(scale) Q: the linear reads the rotated stream."""
-    weight = linear.weight.detach().to(torch.float64)
-    if scale is not None:
-        weight = weight * scale[None, :]
-    _set(linear, "weight", rotation.rotate(weight))
+    _set(linear, "weight", rotation.rotate(linear.weight.detach(), scale))
 
 
 def _output_side(linear: Any, rotation: Rotation) -> None:

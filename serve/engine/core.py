@@ -35,7 +35,7 @@ from quantize.runtime.modules import numerics, set_prefill_dtype
 from serve.core.request import Owner, Request, SamplingParams, SharedChain
 from serve.core.sampler import RowError, sample
 from serve.core.scheduler import Scheduled, SchedulerOutput
-from serve.engine.accounting import Accounting, EngineStats
+from serve.engine.accounting import Accounting
 from serve.engine.builder import build
 from serve.engine.config import EngineConfig
 from serve.engine.output import Callback, OutputProcessor, RequestOutput, Stream, eos_ids, merge
@@ -43,7 +43,7 @@ from serve.metrics import Metrics
 
 _log = logging.getLogger("qpack.serve")
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "QueueFull", "RequestOutput"]
+__all__ = ["Engine", "QueueFull"]
 
 
 class QueueFull(Exception):

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from serve.control.loop import ControlLoop
+from serve.core.config import SCHEDULER_DEFAULTS
 from serve.fleet import wire as P
 from serve.fleet.control import FleetControl
 from serve.fleet.reader import ReaderClosed, ResponseReader
@@ -62,7 +63,7 @@ _log = logging.getLogger("qpack.fleet")
 @dataclass(frozen=True)
 class GatewayConfig:
     redis_url: str
-    max_queue: int = 256
+    max_queue: int = SCHEDULER_DEFAULTS.max_queue  # undelivered requests of a model before 429
     request_timeout: float = 600.0
     info: ServerInfo = field(default_factory=lambda: ServerInfo("fleet", ""))  # its `control`: the controller
 

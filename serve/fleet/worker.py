@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 from serve.core.request import SamplingParams
 from serve.engine import loop
 from serve.engine.controls import EngineControls
-from serve.engine.core import Engine, RequestOutput
+from serve.engine.core import Engine
+from serve.engine.output import RequestOutput
 from serve.fleet import wire as P
 from serve.openai.answers import engine_refusals
 from serve.openai.prompts import check_text_size, longest_token_chars, prompt_ids, shared_tokens

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve.control.loop import ControlLoop
 from serve.core.request import SamplingParams
-from serve.engine.core import RequestOutput
+from serve.engine.output import RequestOutput
 from serve.metrics import TenantMetrics
 from serve.openai import render
 from serve.openai.answers import Piece, disconnected, engine_refusals, sse_events

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serve.engine.core import RequestOutput
+from serve.engine.output import RequestOutput
 
 DONE = "data: [DONE]\n\n"
 

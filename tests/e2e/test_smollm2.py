@@ -118,7 +118,9 @@ def test_speculative_greedy_text_on_smollm2_is_the_plain_text(smollm2_int8: Path
     decoding, a chat question and a grounded prompt (repeat a passage), while proposals are both kept and
     rejected."""
     from serve.core.request import SamplingParams
-    from serve.engine.core import Engine, EngineConfig, RequestOutput
+    from serve.engine.config import EngineConfig
+    from serve.engine.core import Engine
+    from serve.engine.output import RequestOutput
     from serve.loading import build_engine, load_draft, load_for_serving
 
     passage = "The quick brown fox jumps over the lazy dog. Then the dog wakes up and chases the fox home."

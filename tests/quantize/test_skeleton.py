@@ -69,8 +69,8 @@ def test_serving_load_imports_no_modeling_code(tiny_qwen2_artifact: Path) -> Non
     code = f"""
 import sys
 from serve.loading import build_engine, load_for_serving
-from serve.engine.core import EngineConfig
-build_engine(load_for_serving({str(tiny_qwen2_artifact)!r}), EngineConfig(kv_memory="4MB", block_size=4))
+from serve.engine.config import CacheConfig, EngineConfig
+build_engine(load_for_serving({str(tiny_qwen2_artifact)!r}), EngineConfig(cache=CacheConfig(memory="4MB", block_size=4)))
 heavy = ("torch._dynamo", "torch.distributed.tensor", "torchao", "transformers.models.qwen2.modeling_qwen2")
 print([m for m in heavy if m in sys.modules])
 """

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from quantize.model.sources import load_model, load_tokenizer, resolve_model
-from serve.engine.config import CacheConfig
-from serve.engine.core import Engine, EngineConfig
+from serve.engine.config import CacheConfig, EngineConfig
+from serve.engine.core import Engine
 from serve.http import BackgroundServer
 from serve.openai import ServerInfo
 from serve.tenancy.tenants import TenantsSource

@@ -129,7 +129,8 @@ def test_decode_work_grows_linearly(tokenizer: Any) -> None:
 def stories_engine(stories_dir: Path) -> Any:
     import torch
 
-    from serve.engine.core import Engine, EngineConfig
+    from serve.engine.config import EngineConfig
+    from serve.engine.core import Engine
 
     source = resolve_model(str(stories_dir))
     model = load_model(source, dtype=torch.float32)

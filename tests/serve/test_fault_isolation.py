@@ -13,8 +13,9 @@ import torch
 import serve.core.sampler
 from quantize.model.sources import load_model, load_tokenizer, resolve_model
 from serve.core.request import GREEDY_TEMPERATURE, Request, SamplingParams
-from serve.engine.config import CacheConfig
-from serve.engine.core import Engine, EngineConfig, RequestOutput
+from serve.engine.config import CacheConfig, EngineConfig
+from serve.engine.core import Engine
+from serve.engine.output import RequestOutput
 
 PROMPT = "Once upon a time, there was a little girl named Lily."
 OTHER = "Tom and his dog went to the park"

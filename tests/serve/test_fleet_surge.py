@@ -18,8 +18,7 @@ import redis
 
 from serve.control.controller import ControlConfig
 from serve.core.config import SchedulerConfig
-from serve.engine.config import CacheConfig
-from serve.engine.core import EngineConfig
+from serve.engine.config import CacheConfig, EngineConfig
 from serve.engine.protocol import Knobs
 from serve.fleet import wire as P
 from serve.fleet.local_redis import LocalRedis

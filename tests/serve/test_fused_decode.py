@@ -19,8 +19,9 @@ from quantize.runtime.kernels import ops as kernels
 from serve.core.config import SchedulerConfig
 from serve.core.request import SamplingParams
 from serve.engine import core as engine_module
-from serve.engine.config import CacheConfig
-from serve.engine.core import Engine, EngineConfig, RequestOutput
+from serve.engine.config import CacheConfig, EngineConfig
+from serve.engine.core import Engine
+from serve.engine.output import RequestOutput
 from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.skipif(

@@ -11,8 +11,9 @@ from serve.core.config import SchedulerConfig
 from serve.core.request import SamplingParams
 from serve.core.runner import StepBatch
 from serve.engine import loop
-from serve.engine.config import CacheConfig
-from serve.engine.core import Engine, EngineConfig, RequestOutput
+from serve.engine.config import CacheConfig, EngineConfig
+from serve.engine.core import Engine
+from serve.engine.output import RequestOutput
 from serve.loading import load_for_serving
 
 PROMPTS = [

@@ -19,8 +19,9 @@ from quantize.model.sources import load_model, load_tokenizer, resolve_model
 from quantize.model.surgery import QuantizedWeight, install
 from quantize.runtime.handlers import handler_for
 from serve.core.request import SamplingParams
-from serve.engine.config import CacheConfig, SpeculationConfig
-from serve.engine.core import Engine, EngineConfig, RequestOutput
+from serve.engine.config import CacheConfig, EngineConfig, SpeculationConfig
+from serve.engine.core import Engine
+from serve.engine.output import RequestOutput
 from serve.speculative.draft import quantized_copy
 from tests.serve.engines import config_from_options
 
