@@ -1,7 +1,7 @@
 """One `quantize_model` run per process, for the benchmarks that compare quantize configurations: each child's
 peak RSS is its own, and a configuration is plain JSON (`preset` name, optional `group_size` for int4, optional
 `algorithm` as its `to_json` dict, without one the preset's default; optional `distill` settings,
-`calib_tokens` and `eval_tokens`), so a run is reproducible from its line
+`calib_tokens`, `eval_tokens` and `rotate`), so a run is reproducible from its line
 in the results file."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ extra = {"algorithm": Algorithm.from_json(options["algorithm"])} if "algorithm" 
 if "distill" in options:
     from quantize.distill import Distill
     extra["distill"] = Distill(**options["distill"])
-for key in ("calib_tokens", "eval_tokens"):
+for key in ("calib_tokens", "eval_tokens", "rotate"):
     if key in options:
         extra[key] = options[key]
 started = time.perf_counter()
@@ -46,6 +46,7 @@ print(json.dumps({
     "size": result.manifest["size"],
     "timings": result.manifest["timings_s"],
     "plan": result.manifest["quantization"]["summary"],
+    "rotation": result.manifest["quantization"].get("rotation"),
     "distill": {k: v for k, v in result.manifest["quantization"].get("distill", {}).items() if k != "curve"},
 }))
 """
