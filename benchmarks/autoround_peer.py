@@ -73,17 +73,16 @@ print(json.dumps({
 """
 
 
-def setup_peer(python: Path) -> None:
-    """Create the peer's virtual environment (torch's CPU build pinned first, so pip never pulls CUDA)."""
+def setup_peer(python: Path, requirement: str = f"auto-round=={PEER_VERSION}") -> None:
+    """Create a peer's virtual environment with `requirement` (torch's CPU build pinned first, so pip never pulls
+    CUDA)."""
     venv = python.parent.parent
     if python.exists():
         return
     venv.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "--quiet", "torch==2.13.0"], check=True)
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", f"auto-round=={PEER_VERSION}"], check=True
-    )
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", requirement], check=True)
 
 
 def export_rows(calibration: Path, calib_tokens: int, seqlen: int, seed: int, out: Path) -> tuple[Path, int]:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from autoround_peer import export_rows, model_folder
+from autoround_peer import export_rows, model_folder, setup_peer
 from quantize_runs import run
 
 PEER_VERSION = "0.14.0.1"
@@ -99,19 +99,6 @@ print(json.dumps({
 """
 
 PEERS = ("peer-gptq", "peer-quip-gptq", "peer-spinquant-gptq")
-
-
-def setup_peer(python: Path) -> None:
-    """Create the peer's virtual environment (torch's CPU build pinned first, so pip never pulls CUDA)."""
-    venv = python.parent.parent
-    if python.exists():
-        return
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "torch==2.13.0"], check=True)
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", f"llmcompressor=={PEER_VERSION}"], check=True
-    )
 
 
 def measure_peer(calibration: Path, weights: Path, eval_tokens: int, seed: int) -> dict[str, float]:
@@ -243,7 +230,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown configurations {unknown}; choose from {[*ours, *PEERS]}")
     if args.setup:
-        setup_peer(args.peer_python)
+        setup_peer(args.peer_python, f"llmcompressor=={PEER_VERSION}")
     if any(n in PEERS for n in names) and not args.peer_python.exists():
         raise SystemExit(
             f"no llm-compressor environment at {args.peer_python}; run with --setup to create it"
