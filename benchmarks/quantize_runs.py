@@ -1,7 +1,7 @@
 """One `quantize_model` run per process, for the benchmarks that compare quantize configurations: each child's
 peak RSS is its own, and a configuration is plain JSON (`preset` name, optional `group_size` for int4, optional
 `algorithm` as its `to_json` dict, without one the preset's default; optional `distill` settings,
-`calib_tokens`, `eval_tokens` and `rotate`), so a run is reproducible from its line
+`calib_tokens`, `eval_tokens`, `rotate` and `rotate_seed`), so a run is reproducible from its line
 in the results file."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ extra = {"algorithm": Algorithm.from_json(options["algorithm"])} if "algorithm" 
 if "distill" in options:
     from quantize.distill import Distill
     extra["distill"] = Distill(**options["distill"])
-for key in ("calib_tokens", "eval_tokens", "rotate"):
+for key in ("calib_tokens", "eval_tokens", "rotate", "rotate_seed"):
     if key in options:
         extra[key] = options[key]
 started = time.perf_counter()

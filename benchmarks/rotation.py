@@ -2,7 +2,8 @@
 by its GPTQ, on one model in one run: the same calibration tokens, bits, group size and held-out queries.
 
 What is compared (issue 46):
-- qpack: RTN and GPTQ at int4/gG with and without the rotation; the rotation with AutoRound then `--distill`;
+- qpack: RTN, GPTQ and AWQ at int4/gG with and without the rotation (GPTQ with three rotation seeds, the
+  calibration and held-out tokens fixed, to size the rotation's own spread); the rotation with AutoRound then `--distill`;
   the mixed preset (the same size budget, 4.75 bits) with and without it; int8 GPTQ with and without it. Each
   configuration runs in its own process (`quantize_runs.run`), so its peak RSS is its own.
 - llm-compressor (PyPI `llmcompressor`, CPU, in its own virtual environment in the user's cache; `--setup`
@@ -166,6 +167,10 @@ def configurations(args: argparse.Namespace) -> dict[str, dict[str, object]]:
         "rtn-rot": {**int4, "algorithm": {"name": "rtn"}, **rot},
         "gptq": {**int4, "algorithm": {"name": "gptq"}},
         "gptq-rot": {**int4, "algorithm": {"name": "gptq"}, **rot},
+        "gptq-rot-seed1": {**int4, "algorithm": {"name": "gptq"}, **rot, "rotate_seed": 1},
+        "gptq-rot-seed2": {**int4, "algorithm": {"name": "gptq"}, **rot, "rotate_seed": 2},
+        "awq": {**int4, "algorithm": {"name": "awq"}},
+        "awq-rot": {**int4, "algorithm": {"name": "awq"}, **rot},
         "int8-gptq": {"preset": "int8", "algorithm": {"name": "gptq"}, **common},
         "int8-gptq-rot": {"preset": "int8", "algorithm": {"name": "gptq"}, **common, **rot},
         "mixed": {"preset": "mixed", **common},
@@ -190,6 +195,9 @@ def summary_lines(results: dict[str, dict[str, object]]) -> list[str]:
     for numerator, denominator in (
         ("rtn-rot", "rtn"),
         ("gptq-rot", "gptq"),
+        ("gptq-rot-seed1", "gptq"),
+        ("gptq-rot-seed2", "gptq"),
+        ("awq-rot", "awq"),
         ("autoround-distill-rot", "gptq"),
         ("mixed-rot", "mixed"),
         ("int8-gptq-rot", "int8-gptq"),

@@ -65,6 +65,9 @@ class QuantizeConfig:
     """Rotate the residual stream before quantizing (none, hadamard: a randomized Hadamard rotation, absorbed into
     the weights, with a per-head one on v/o): spreads outlier channels over every group; the FP32 model computes
     the same. A tied LM head is stored untied (the final norm's scale is folded into it)."""
+    rotate_seed: int | None = None
+    """Seed of the rotation's random signs (default: `seed`); another value draws another rotation while the
+    calibration and held-out tokens stay the same."""
     export: CompressedTensors | None = None
     """Also write the artifact in another format: compressed-tensors (for transformers and vLLM)."""
     overwrite: bool = False

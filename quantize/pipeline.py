@@ -121,7 +121,8 @@ def _rotation(config: QuantizeConfig, source: ModelSource) -> Rotation | None:
 
     model_config = AutoConfig.from_pretrained(str(source.path))
     try:
-        return rotation_for(model_config, config.rotate, config.seed)
+        seed = config.seed if config.rotate_seed is None else config.rotate_seed
+        return rotation_for(model_config, config.rotate, seed)
     except ValueError as exc:
         raise QpackError(
             f"--rotate {config.rotate} cannot be applied to {source.model_id}: {exc}; quantize it without --rotate"

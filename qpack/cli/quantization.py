@@ -185,6 +185,7 @@ QUANTIZE = Options(
         "calib_tokens",
         "eval_tokens",
         "rotate",
+        "rotate_seed",
         Option(
             "export",
             ("--export",),

@@ -459,3 +459,35 @@ def test_compare_table_of_two_artifacts(
     assert out.exit_code != 0 and "is not an artifact" in out.output
     usage = runner.invoke(app, ["compare", str(artifact), "--mmlu", str(mmlu_dir), "--shots", "6"])
     assert usage.exit_code == 2 and "invalid compare options: --shots must be 0..5 (got 6)" in usage.output
+
+
+def test_a_rotated_artifact_is_evaluated_against_its_unrotated_original(
+    stories_calibration: Path, mmlu_dir: Path, tmp_path: Path
+) -> None:
+    """`--rotate` changes every stored weight, the embedding and the head; the reference is still the original
+    checkpoint, so a rotation that evaluate did not see through would show as a large KL."""
+    from quantize.algorithms import RTN
+    from quantize.config import QuantizeConfig
+    from quantize.pipeline import quantize_model
+    from quantize.planning.presets import PRESETS
+
+    out = tmp_path / "rotated"
+    quantized = quantize_model(
+        QuantizeConfig(
+            output=out,
+            calibration=stories_calibration,
+            preset=PRESETS["int8"],
+            algorithm=RTN(),
+            rotate="hadamard",
+            calib_tokens=256,
+            eval_tokens=128,
+        )
+    )
+    result = evaluate(EvaluateConfig(artifact=out, mmlu=mmlu_dir, subjects="anatomy", limit=8, shots=0))
+    heldout = result.evaluation.heldout
+    assert heldout is not None and heldout.kl == pytest.approx(quantized.quality.kl, rel=0.1, abs=1e-4)
+    assert heldout.kl < 0.05 and heldout.top1_agreement > 0.85
+    letter = result.evaluation.formats["letter"]
+    assert letter.questions == 8 and letter.answer_kl.mean < 0.05
+    assert read_manifest(out)["quantization"]["rotation"]["kind"] == "hadamard"
+    assert verify_artifact(out)["evals"]["mmlu"]["mmlu"]["questions"] == 8

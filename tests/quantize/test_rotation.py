@@ -4,6 +4,7 @@ channels, and a rotated artifact through quantize, load and serve."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,8 +12,11 @@ import pytest
 import torch
 from torch import nn
 
+from quantize.algorithms.autoround import best_tensors, init_rounding, learn_rounding
+from quantize.algorithms.awq import awq_search
 from quantize.algorithms.gptq import quantize_gptq
 from quantize.algorithms.rtn import fake_quant
+from quantize.algorithms.settings import AutoRound
 from quantize.common.errors import QpackError
 from quantize.formats.schemes import Int4
 from quantize.model.sources import load_model, resolve_model
@@ -127,21 +131,61 @@ def _outlier_linear(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return weight * outliers, inputs / outliers
 
 
-@pytest.mark.parametrize("algorithm", ["rtn", "gptq"])
+def _int4_approximation(
+    algorithm: str, scheme: Int4, weight: torch.Tensor, inputs: torch.Tensor
+) -> torch.Tensor:
+    """The weight each algorithm stores for `weight` [out, in], calibrated on `inputs` [tokens, in]."""
+    hessian = inputs.T @ inputs
+    if algorithm == "rtn":
+        return fake_quant(scheme, weight)
+    if algorithm == "gptq":
+        return handler_for(scheme).dequantize(scheme, quantize_gptq(scheme, weight, hessian))
+    if algorithm == "awq":
+        scale, _alpha = awq_search([weight], [scheme], hessian, inputs.pow(2).mean(0).sqrt())
+        return fake_quant(scheme, weight * scale[None, :]) / scale[None, :]
+    rounding = init_rounding(scheme, weight)
+    target = inputs @ weight.T
+
+    def loss(weights: dict[str, torch.Tensor], _step: int) -> list[torch.Tensor]:
+        return [((inputs @ weights["w"].T - target) ** 2).mean()]
+
+    learn_rounding({"w": rounding}, loss, AutoRound(iters=60))
+    return handler_for(scheme).dequantize(scheme, best_tensors(rounding))
+
+
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq", "autoround"])
 def test_rotated_weights_lose_less_to_int4_where_outlier_channels_are_planted(algorithm: str) -> None:
     weight, inputs = _outlier_linear()
     q = random_hadamard(128, seed=0).to(torch.float32)
     scheme = Int4(group_size=32)
 
     def output_error(w: torch.Tensor, x: torch.Tensor) -> float:
-        if algorithm == "rtn":
-            approximate = fake_quant(scheme, w)
-        else:
-            approximate = handler_for(scheme).dequantize(scheme, quantize_gptq(scheme, w, x.T @ x))
-        return float(((x @ w.T - x @ approximate.T) ** 2).mean())
+        return float(((x @ w.T - x @ _int4_approximation(algorithm, scheme, w, x).T) ** 2).mean())
 
     plain, rotated = output_error(weight, inputs), output_error(weight @ q, inputs @ q)
-    assert rotated < 0.75 * plain, (plain, rotated)  # measured: 0.58x (RTN), 0.62x (GPTQ)
+    assert rotated < 0.75 * plain, (plain, rotated)  # measured, seeds 0-2: RTN 0.58-0.70x, GPTQ 0.52-0.63x,
+    # AutoRound 0.59-0.73x
+
+
+def test_awq_runs_on_rotated_weights_but_the_rotation_takes_its_lever() -> None:
+    """AWQ is itself an outlier treatment: its per-channel scales rms(x)^alpha undo a folded norm's outlier
+    channels exactly (alpha = 1), and a rotation flattens the per-channel statistics they are read from. On the
+    planted linear, AWQ alone beats AWQ after a rotation (measured, seeds 0-2: 27-37x lower error; with outliers
+    planted in the activations instead, 3.9-5.3x), so what holds, and is asserted, is that on rotated weights
+    AWQ still never does worse than RTN, and that unrotated AWQ is the better of the two here."""
+    weight, inputs = _outlier_linear()
+    q = random_hadamard(128, seed=0).to(torch.float32)
+    scheme = Int4(group_size=32)
+
+    def output_error(algorithm: str, w: torch.Tensor, x: torch.Tensor) -> float:
+        return float(((x @ w.T - x @ _int4_approximation(algorithm, scheme, w, x).T) ** 2).mean())
+
+    rotated_awq, rotated_rtn = (
+        output_error("awq", weight @ q, inputs @ q),
+        output_error("rtn", weight @ q, inputs @ q),
+    )
+    assert rotated_awq <= rotated_rtn * (1 + 1e-6)
+    assert output_error("awq", weight, inputs) < 0.2 * rotated_awq
 
 
 def test_rotate_block_keeps_a_block_s_output(tiny_qwen2: Path) -> None:
@@ -236,3 +280,16 @@ def test_a_model_it_cannot_rotate_is_refused_before_anything_is_written(
             QuantizeConfig(output=tmp_path / "a", calibration=tiny_llama_calibration, rotate="hadamard")
         )
     assert not (tmp_path / "a").exists()
+
+
+def test_rotate_seed_draws_another_rotation_and_defaults_to_the_seed(
+    stories_dir: Path, stories_calibration: Path, tmp_path: Path
+) -> None:
+    from quantize.config import QuantizeConfig
+    from quantize.pipeline import _rotation
+
+    source = resolve_model(str(stories_dir))
+    config = QuantizeConfig(output=tmp_path / "a", calibration=stories_calibration, rotate="hadamard", seed=4)
+    default, drawn = _rotation(config, source), _rotation(dataclasses.replace(config, rotate_seed=9), source)
+    assert default is not None and drawn is not None
+    assert (default.seed, drawn.seed) == (4, 9) and not torch.equal(default.signs, drawn.signs)
