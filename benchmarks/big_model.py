@@ -8,7 +8,8 @@ at real widths. Each step runs as its own process (`python -m qpack ...`), its p
 across its process tree:
 
 - `qpack calibrate` on 128 ShareGPT samples, then `qpack quantize` with --preset int8 (RTN, and GPTQ),
-  int4/g128 GPTQ, the mixed preset (Fisher sensitivity), and int4/g128 AutoRound followed by `--distill` (few
+  int4/g128 GPTQ (also after `--rotate hadamard`: the rotation is streamed, block by block, with the
+  rest), the mixed preset (Fisher sensitivity), and int4/g128 AutoRound followed by `--distill` (few
   steps of each: their peak is what is measured): targets peak RSS <= 6 GB (int8) and 8 GB.
 - `qpack serve` of the int8 artifact answering a chat request: target peak RSS <= artifact + 1.5 GB + KV pool;
   decode tokens/s at batch 1 against the memory-bound ceiling (bytes read per token / measured bandwidth).
@@ -45,6 +46,16 @@ QUANTIZE_RUNS: dict[str, list[str]] = {
     "int8-rtn": ["--preset", "int8", "--algorithm", "rtn"],
     "int8-gptq": ["--preset", "int8", "--algorithm", "gptq"],
     "int4-g128-gptq": ["--preset", "int4", "--group-size", "128", "--algorithm", "gptq"],
+    "int4-g128-gptq-rot": [
+        "--preset",
+        "int4",
+        "--group-size",
+        "128",
+        "--algorithm",
+        "gptq",
+        "--rotate",
+        "hadamard",
+    ],
     "mixed-fisher": ["--preset", "mixed", "--sensitivity", "fisher"],
     # memory, not quality: a few AutoRound steps and minutes of distillation hold what a full run holds
     "int4-g128-autoround-distill": [
