@@ -44,6 +44,7 @@ from quantize.io.tensorfile import read_safetensors
 from quantize.model.sources import tokenizer_class, tokenizer_files
 from quantize.model.surgery import QuantizedWeight, install
 from quantize.planning.plan import Plan
+from quantize.rotation import unabsorbed
 
 FORMAT = "qpack.artifact"
 FORMAT_VERSION = 2
@@ -293,6 +294,12 @@ def load_artifact(
     manifest = read_manifest(root)
     if verify:
         verify_artifact(root, manifest)
+    rotation = unabsorbed(manifest.get("quantization", {}).get("rotation"))
+    if rotation is not None:
+        raise QpackError(
+            f"cannot load artifact {root}: {rotation}; load it with the qpack version that wrote it "
+            f"({manifest.get('qpack_version', 'unknown')}) or re-quantize it"
+        )
     device = torch.device(device)
     quiet_transformers()
     config_dict = read_json(root / "config.json", "artifact config")

@@ -126,3 +126,14 @@ def test_a_rotated_artifact_exports_as_the_model_it_is(stories_calibration: Path
         a, b = ours(input_ids=ids).logits, theirs(input_ids=ids).logits
     assert ((a - b).norm() / a.norm()) < 1e-3  # measured 3e-5; the head tied back to the embedding: 0.47
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+    manifest = json.loads(
+        (art / "manifest.json").read_text()
+    )  # as an artifact with an online transform reads
+    manifest["quantization"]["rotation"]["online"] = {"before": "down_proj", "hadamard": "172"}
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(QpackError, match=r"online transform at run time.*weights only"):
+        export_compressed_tensors(art, tmp_path / "ct2")
+    assert not (tmp_path / "ct2").exists()
+    with pytest.raises(QpackError, match=r"cannot load artifact .*online transform"):
+        load_artifact(art)
