@@ -2,7 +2,8 @@
 should cost nothing at run time; it changes weight values, not shapes or kernels, except that a tied head is
 stored untied).
 
-In one process, alternating between the artifacts, `--repeats` rounds: prefill = a `--rows`-token prompt through
+In one process, alternating between the artifacts, `--repeats` rounds (a new prompt each, so no prefix is reused
+from the KV cache): prefill = a `--rows`-token prompt through
 the serving engine's first step (native kernels, as served); decode = the tokens/s of `--decode-tokens` greedy
 tokens at batch 1 after that prompt. Medians per artifact, and each ratio to the first artifact.
 
@@ -60,13 +61,16 @@ def main() -> None:
             loaded.model, loaded.tokenizer, EngineConfig(cache=CacheConfig(memory="64MB"))
         )
     vocab = int(next(iter(engines.values())).model.config.vocab_size)
-    prompt = [(17 + 7919 * i) % (vocab - 10) + 5 for i in range(args.rows)]
+
+    def prompt(round_: int) -> list[int]:  # a new prompt each round: no prefix is ever served from the cache
+        return [(17 + 7919 * (i + round_ * args.rows)) % (vocab - 10) + 5 for i in range(args.rows)]
+
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     for engine in engines.values():
-        one_round(engine, prompt[:32], 8)  # warm-up
-    for _ in range(args.repeats):
+        one_round(engine, prompt(args.repeats)[:32], 8)  # warm-up
+    for round_ in range(args.repeats):
         for name, engine in engines.items():
-            samples[name].append(one_round(engine, prompt, args.decode_tokens))
+            samples[name].append(one_round(engine, prompt(round_), args.decode_tokens))
     first = next(iter(samples))
     base_prefill = statistics.median(s[0] for s in samples[first])
     base_decode = statistics.median(s[1] for s in samples[first])
