@@ -280,6 +280,12 @@ class LoadedArtifact:
         return str(self.manifest.get("version", ""))
 
 
+def unabsorbed_rotation(manifest: dict[str, Any]) -> str | None:
+    """Why the artifact's recorded rotation is not all in its weights (None: it is, or there is none): what
+    loading and every export refuse rather than run or write another model."""
+    return unabsorbed(manifest.get("quantization", {}).get("rotation"))
+
+
 def load_artifact(
     path: str | Path, device: str | torch.device = "cpu", verify: bool = True, skeleton: bool = False
 ) -> LoadedArtifact:
@@ -294,7 +300,7 @@ def load_artifact(
     manifest = read_manifest(root)
     if verify:
         verify_artifact(root, manifest)
-    rotation = unabsorbed(manifest.get("quantization", {}).get("rotation"))
+    rotation = unabsorbed_rotation(manifest)
     if rotation is not None:
         raise QpackError(
             f"cannot load artifact {root}: {rotation}; load it with the qpack version that wrote it "

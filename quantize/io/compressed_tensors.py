@@ -23,9 +23,15 @@ import torch
 from quantize.common.errors import QpackError
 from quantize.common.fileio import atomic_output_dir, read_json, write_json
 from quantize.formats.schemes import BF16, FP16, FP32, W8A8, Int4, Int8, Scheme
-from quantize.io.artifact import INDEX_FILE, MANIFEST_FILE, read_manifest, verify_artifact, weight_files
+from quantize.io.artifact import (
+    INDEX_FILE,
+    MANIFEST_FILE,
+    read_manifest,
+    unabsorbed_rotation,
+    verify_artifact,
+    weight_files,
+)
 from quantize.planning.plan import Plan
-from quantize.rotation import unabsorbed
 from quantize.runtime.handlers import handler_for
 
 
@@ -88,7 +94,7 @@ def export_compressed_tensors(artifact: Path, output: Path, overwrite: bool = Fa
     artifact = Path(artifact).expanduser().resolve()
     output = Path(output).expanduser().resolve()
     manifest = verify_artifact(artifact, read_manifest(artifact))
-    rotation = unabsorbed(manifest.get("quantization", {}).get("rotation"))
+    rotation = unabsorbed_rotation(manifest)
     if rotation is not None:
         raise QpackError(
             f"cannot export {artifact} to compressed-tensors: {rotation}, and a compressed-tensors checkpoint holds "
