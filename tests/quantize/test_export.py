@@ -113,7 +113,11 @@ def test_a_rotated_artifact_exports_as_the_model_it_is(stories_calibration: Path
     art = tmp_path / "art"
     quantize_model(
         QuantizeConfig(
-            output=art, calibration=stories_calibration, preset=PRESETS["int8"], rotate="hadamard", **FAST
+            output=art,
+            calibration=stories_calibration,
+            preset=PRESETS["int8"],
+            rotate="hadamard",
+            **FAST,
         )
     )
     export_compressed_tensors(art, tmp_path / "ct")
@@ -121,7 +125,8 @@ def test_a_rotated_artifact_exports_as_the_model_it_is(stories_calibration: Path
     assert theirs.config.tie_word_embeddings is False
     assert theirs.lm_head.weight.data_ptr() != theirs.model.embed_tokens.weight.data_ptr()
     ours = load_artifact(art).model
-    ids = torch.tensor([[1, 30, 31, 32, 33, 34, 400, 401]])
+    # a prompt's worth of rows: without native kernels, decode-sized rows round activations to bf16 (~2e-3 here)
+    ids = torch.arange(1, 65)[None] * 7 % 500 + 1
     with torch.inference_mode():
         a, b = ours(input_ids=ids).logits, theirs(input_ids=ids).logits
     assert ((a - b).norm() / a.norm()) < 1e-3  # measured 3e-5; the head tied back to the embedding: 0.47
