@@ -7,18 +7,19 @@ math), `absorb` folds and rotates a model's modules (surgery).
 """
 
 from collections.abc import Mapping
-from typing import Any
 
 ROTATIONS = ("none", "hadamard")  # `qpack quantize --rotate`
 
 
-def unabsorbed(record: Mapping[str, Any] | None) -> str | None:
+def unabsorbed(record: object) -> str | None:
     """Why an artifact's recorded rotation (its manifest's `quantization.rotation`) is not fully in its weights,
     so that running or exporting the weights alone would compute another model; None when it is (or there is
     none). Every rotation this version writes is absorbed; an online transform, or a kind it does not know, is
     refused rather than silently dropped."""
     if not record:
         return None
+    if not isinstance(record, Mapping):
+        return f"its rotation record is {type(record).__name__}, not an object"
     kind = record.get("kind")
     if kind not in ROTATIONS:
         return f"its rotation kind {kind!r} is not one this qpack knows ({', '.join(ROTATIONS[1:])})"

@@ -293,3 +293,20 @@ def test_rotate_seed_draws_another_rotation_and_defaults_to_the_seed(
     default, drawn = _rotation(config, source), _rotation(dataclasses.replace(config, rotate_seed=9), source)
     assert default is not None and drawn is not None
     assert (default.seed, drawn.seed) == (4, 9) and not torch.equal(default.signs, drawn.signs)
+
+
+@pytest.mark.parametrize(
+    ("record", "why"),
+    [
+        (None, None),
+        ({"kind": "hadamard", "online": None}, None),
+        ({"kind": "hadamard", "online": {"before": "down_proj"}}, "online transform"),
+        ({"kind": "learned"}, "kind 'learned' is not one"),
+        ("hadamard", "record is str, not an object"),
+    ],
+)
+def test_a_rotation_record_not_in_the_weights_is_named(record: object, why: str | None) -> None:
+    from quantize.rotation import unabsorbed
+
+    reason = unabsorbed(record)
+    assert (reason is None) if why is None else (reason is not None and why in reason)
